@@ -1,0 +1,6 @@
+"""nanodspark: a minimal, readable, real reference engine for DSpark speculative decoding."""
+from .config import EngineConfig, ModelConfig
+from .engine import LLM, LLMEngine, RequestOutput
+from .sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,453 @@
+"""The engine: requests, continuous batching, the KV budget, and the step.
+
+One step is four lines (`LLMEngine.step`): the `Scheduler` chooses what each request feeds this
+step, the `ModelRunner` runs one forward (or, with a drafter, the `SpecDecoder` drafts and
+verifies), and the engine applies the typed result: commit tokens, stop, free.
+
+Continuous batching. Every request is a token list `prompt + output` of which the first
+`num_computed` have KV in the cache. A step feeds each running request the next slice of that
+list: a prefill chunk, or the single last token (decode). When a slice reaches the end of the
+list, its last row's logits sample one new token. Prefill and decode of different requests mix
+freely in one forward under a token budget (`max_num_batched_tokens`), so a long prompt is
+prefilled in chunks while others keep decoding.
+
+KV budget. A request is admitted when its prompt's blocks fit. When a running request cannot
+grow, the most recently admitted request is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed from its prompt *and* its output so far (recompute is
+exact under greedy decoding, and seeded sampling keeps its generator). No request is dropped;
+one that could never fit in the whole cache is refused at `add_request` with a `ValueError`.
+
+Invariants: a request's block tables cover exactly its reserved tokens; a finished or aborted
+request holds no blocks; `num_computed <= len(prompt) + len(output)`. Walkthrough chapter 01.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .config import EngineConfig, ModelConfig
+from .loader import Tokenizer, load_model, resolve_model_dir
+from .model import KVCache
+from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
+from .runner import Chunk, ModelRunner
+from .sampling import SamplingParams, make_generator, sample_from, target_probs
+from .swa_replay import plan_replay
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculative counters of one request (paper names: tau = committed per verify step)."""
+    steps: int = 0          # verify steps
+    drafted: int = 0        # draft tokens produced (gamma per step)
+    verified: int = 0       # draft tokens the target verified (the windows)
+    accepted: int = 0       # draft tokens accepted
+    committed: int = 0      # tokens committed by verify steps (accepted + 1 each)
+
+    def as_dict(self) -> dict:
+        tau = self.committed / self.steps if self.steps else 0.0
+        return dict(steps=self.steps, drafted=self.drafted, verified=self.verified,
+                    accepted=self.accepted, committed=self.committed, tau=round(tau, 4))
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    tables: dict[str, BlockTable] = field(default_factory=dict)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    replay_until: int = 0                 # SWA replay rows (see swa_replay.py)
+    kv_start: int = 0
+    text: str = ""                        # decoded output so far
+    emitted: int = 0                      # characters of `text` already streamed
+    spec: SpecStats = field(default_factory=SpecStats)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == self.num_tokens - 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    spec: dict
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    spec: dict
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# ----------------------------------------------------------------------------- scheduling
+class Scheduler:
+    """Admission, chunked prefill, preemption. Owns the queues and the block managers."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, managers: dict[str, BlockManager]):
+        self.cfg, self.model_cfg, self.managers = cfg, model_cfg, managers
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.n_sliding = model_cfg.layer_types.count("sliding_attention")
+
+    # -- block bookkeeping, over all KV groups ----------------------------------------------
+    def _allocate(self, req: Request) -> None:
+        """Tables for all of the request's tokens; prefix hit on the full group (atomic)."""
+        ids = req.all_ids
+        tables = {}
+        try:
+            for g, bm in self.managers.items():
+                tables[g] = bm.allocate_prompt(ids) if g == "full" else _fresh(bm, len(ids))
+        except NoFreeBlocks:
+            for g, t in tables.items():
+                self.managers[g].free(t)
+            raise
+        hit = tables["full"].num_cached_tokens if "full" in tables else 0
+        plan = plan_replay(hit, self.model_cfg.sliding_window, self.n_sliding, self.cfg.swa_replay_tokens)
+        req.tables, req.num_computed = tables, plan.start
+        req.replay_until, req.kv_start = plan.replay_until, plan.start
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        done = []
+        try:
+            for g, bm in self.managers.items():
+                before = req.tables[g].num_tokens
+                bm.ensure_capacity(req.tables[g], num_tokens)
+                done.append((g, before))
+        except NoFreeBlocks:
+            for g, before in done:
+                self.managers[g].truncate(req.tables[g], before)
+            raise
+
+    def free(self, req: Request) -> None:
+        for g, t in req.tables.items():
+            self.managers[g].free(t)
+        req.tables = {}
+
+    def preempt(self, req: Request) -> None:
+        self.free(req)
+        self.running.remove(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        self.waiting.appendleft(req)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self, decode_rows: int = 1) -> list[tuple[Request, int]]:
+        """(request, rows) pairs for this step. A decoding request reserves `decode_rows` slots
+        (1, or 1 + gamma when the step verifies drafts)."""
+        budget = self.cfg.max_num_batched_tokens
+        plan: list[tuple[Request, int]] = []
+        for req in list(self.running):
+            if req not in self.running or budget <= 0:
+                continue
+            rows = decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+            if rows > budget:  # a verify window does not fit the token budget: wait a step
+                continue
+            while True:
+                try:
+                    self._grow(req, req.num_computed + rows)
+                    break
+                except NoFreeBlocks:
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    plan = [(r, n) for r, n in plan if r is not victim]
+                    if victim is req:
+                        break
+            if req in self.running:
+                plan.append((req, rows))
+                budget -= rows
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            try:
+                self._allocate(req)
+            except NoFreeBlocks:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            rows = min(req.num_tokens - req.num_computed, budget)
+            plan.append((req, rows))
+            budget -= rows
+        return plan
+
+
+def _fresh(bm: BlockManager, n: int) -> BlockTable:
+    t = BlockTable()
+    bm.ensure_capacity(t, n)
+    return t
+
+
+# ----------------------------------------------------------------------------- the engine
+class LLMEngine:
+    def __init__(self, model_path: str | None = None, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.device = pick_device(cfg.device)
+        self.dtype = pick_dtype(cfg.dtype, self.device)
+        model_dir = resolve_model_dir(model_path)
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
+        self.model_config = mc = self.model.config
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_id) if (model_dir / "tokenizer.json").exists() else None
+        self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        self.backend = cfg.attention_backend
+        if self.backend == "auto":
+            self.backend = "triton" if self.device.type == "cuda" else "torch"
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
+        managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
+                    for g in self.kv_cache.layout}
+        self.scheduler = Scheduler(cfg, mc, managers)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        self.default_generator = make_generator(cfg.seed, self.device, None)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.spec = None  # set by nanodspark.speculative when a drafter is loaded
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = KVCache.bytes_per_block(mc, mc.num_hidden_layers, cfg.block_size, self.dtype)
+        if cfg.kv_cache_memory_gb:
+            return max(1, int(cfg.kv_cache_memory_gb * 2**30 // per_block))
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * cfg.kv_memory_fraction // per_block))
+        return cfg.cpu_kv_blocks
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        params = (params or SamplingParams()).validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                             "(prompt plus at least one new token)")
+        worst = min(len(ids) + params.max_tokens, self.max_model_len) + self._decode_rows()
+        for bm in self.scheduler.managers.values():
+            if bm.blocks_for(worst) > bm.num_blocks:
+                raise ValueError(f"request needs up to {bm.blocks_for(worst)} KV blocks, the cache has "
+                                 f"{bm.num_blocks}; lower max_tokens or enlarge the KV cache")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise OverflowError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, make_generator(params.seed, self.device, self.default_generator))
+        self.requests[request_id] = req
+        self.scheduler.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return None
+        if req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        self.scheduler.free(req)
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def kv_usage(self) -> dict:
+        return {g: dict(used=bm.num_used_blocks, free=bm.num_free_blocks, total=bm.num_blocks)
+                for g, bm in self.scheduler.managers.items()}
+
+    def _decode_rows(self) -> int:
+        return 1 + (self.spec.gamma if self.spec else 0)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(self._decode_rows())     # choose
+        if not plan:
+            return []
+        if self.spec is not None:
+            commits = self.spec.step(self, plan)                # draft -> verify
+        else:
+            commits = self.forward_and_sample(plan)             # forward -> sample
+        return [self._apply(req, toks) for req, toks in commits]  # commit
+
+    def forward_and_sample(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
+        chunks = [self.chunk_of(req, rows) for req, rows in plan]
+        result = self.runner.forward(chunks)
+        return self.sample_commits(plan, chunks, result.logits, result.logit_offsets)
+
+    def chunk_of(self, req: Request, rows: int, extra: list[int] = (), logit_rows: str | None = None) -> Chunk:
+        start = req.num_computed
+        ids = req.all_ids[start:start + rows - len(extra)] + list(extra)
+        sampling = start + rows - len(extra) >= req.num_tokens
+        return Chunk(req.tables, start, ids, logit_rows or ("last" if sampling else "none"),
+                     req.replay_until, req.kv_start)
+
+    def sample_commits(self, plan, chunks, logits, offsets):
+        """Advance `num_computed` and sample one token for every chunk that reached the end."""
+        commits, rows, reqs = [], [], []
+        for i, ((req, n), c) in enumerate(zip(plan, chunks)):
+            req.num_computed += len(c.token_ids)
+            if c.logit_rows == "last":
+                rows.append(offsets[i])
+                reqs.append(req)
+            else:
+                commits.append((req, []))
+        if reqs:
+            probs = target_probs(logits[rows], [r.params for r in reqs])
+            toks = sample_from(probs, [r.generator for r in reqs])
+            commits += [(r, [t]) for r, t in zip(reqs, toks)]
+        return commits
+
+    def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        """Commit new tokens, publish full blocks, release window-expired blocks, check stops."""
+        sched = self.scheduler
+        accepted = []
+        reason = None
+        for t in new_ids:
+            accepted.append(t)
+            if t in self.eos_ids and not req.params.ignore_eos:
+                reason = "stop"
+                break
+            if len(req.output_ids) + len(accepted) >= req.params.max_tokens or \
+                    req.num_tokens + len(accepted) >= self.max_model_len:
+                reason = "length"
+                break
+        req.output_ids += accepted
+        if accepted and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        for g, t in req.tables.items():
+            bm = sched.managers[g]
+            bm.truncate(t, min(t.num_tokens, req.num_tokens))  # drop rejected speculative slots
+            if g == "full":
+                bm.commit(t, req.all_ids[:req.num_computed])
+            else:
+                bm.release_outside_window(t, self.model_config.sliding_window, req.num_computed)
+        delta, stop_hit = self._detokenize(req, accepted, final=reason is not None)
+        if stop_hit:
+            reason = "stop"
+        if reason:
+            sched.running.remove(req)
+            sched.free(req)
+            return self._finish(req, reason, accepted, delta)
+        return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
+                             len(req.output_ids), req.spec.as_dict())
+
+    def _detokenize(self, req: Request, new_ids: list[int], final: bool) -> tuple[str, bool]:
+        if self.tokenizer is None or not new_ids:
+            return "", False
+        text = self.tokenizer.decode(req.output_ids)
+        stops = req.params.stop
+        hit = False
+        if stops:
+            idx = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if idx >= 0:
+                text, hit, final = text[:idx], True, True
+        req.text = text
+        hold = 0 if final else max([len(s) - 1 for s in stops] + [0])
+        if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+            hold = max(hold, 1)
+        upto = max(req.emitted, len(text) - hold)
+        delta, req.emitted = text[req.emitted:upto], upto
+        return delta, hit
+
+    def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "") -> RequestOutput:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if reason == "abort" and req.text:
+            delta, req.emitted = req.text[req.emitted:], len(req.text)
+        return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
+                             len(req.output_ids), req.spec.as_dict())
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (the server calls this once it has answered)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == Status.FINISHED:
+            del self.requests[request_id]
+
+
+# ----------------------------------------------------------------------------- offline API
+class LLM:
+    """`LLM(model_path, **engine_kwargs).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model_path: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[GenerationOutput]:
+        from tqdm.auto import tqdm
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        eng = self.engine
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        show = self.engine.config.use_tqdm if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(reqs), desc="generate", disable=not show)
+        while any(r.status != Status.FINISHED for r in reqs):
+            for out in eng.step():
+                if out.finished:
+                    bar.update(1)
+        bar.close()
+        results = [GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text, r.finish_reason,
+                                    r.spec.as_dict()) for r in reqs]
+        for r in reqs:
+            eng.release(r.request_id)
+        return results

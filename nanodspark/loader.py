@@ -1,0 +1,204 @@
+"""Weights and tokenizer in, weights out — Hugging Face layout, safetensors only.
+
+Load: `config.json` -> `ModelConfig`; tensors from `model.safetensors` or the shards listed in
+`model.safetensors.index.json`; Hugging Face key names. The per-expert MoE keys
+(`mlp.experts.{e}.gate_proj.weight`) are stacked into our `[E, out, in]` parameters.
+Save: the inverse, in shards of at most `max_shard_bytes` with an index.
+
+Invariants: every parameter of the model is filled exactly once, with the right shape, or
+loading fails with a message naming the tensor; pickle (`.bin`, `.pt`) is never read.
+Tokenizer: `tokenizer.json` through the `tokenizers` library, ChatML chat formatting, and the
+set of ids that end a generation.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .model import CausalLM
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def resolve_model_dir(path: str | Path | None) -> Path:
+    path = Path(path) if path else DEFAULT_MODEL_DIR
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    return path
+
+
+def safetensor_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in model_dir.glob("*") if p.suffix in (".bin", ".pt", ".pth")]
+        hint = f" (found {pickles}: pickle checkpoints are not loaded; convert them to safetensors)" if pickles else ""
+        raise CheckpointError(f"no safetensors weights in {model_dir}{hint}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise CheckpointError(f"shards listed in the index are missing: {missing}")
+    return files
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in safetensor_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face per-expert keys -> our stacked `experts.{gate,up,down}_proj` parameters."""
+    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out = {}
+    for k, t in tensors.items():
+        m = _EXPERT_KEY.match(k)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+        else:
+            out[k] = t
+    for (prefix, proj), per in groups.items():
+        n = max(per) + 1
+        if sorted(per) != list(range(n)):
+            raise CheckpointError(f"{prefix}: experts {sorted(set(range(n)) - set(per))} of {proj} are missing")
+        out[f"{prefix}.{proj}"] = torch.stack([per[e] for e in range(n)])
+    return out
+
+
+def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, t in state.items():
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", k)
+        if m:
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
+        else:
+            out[k] = t
+    return out
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> CausalLM:
+    model_dir = resolve_model_dir(path)
+    cfg = ModelConfig.from_json(model_dir)
+    tensors = stack_experts(read_tensors(model_dir))
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {k: p for k, p in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{model_dir}: checkpoint does not match the {cfg.architecture} config: "
+                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                              f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    for k, p in expected.items():
+        if tuple(tensors[k].shape) != tuple(p.shape):
+            raise CheckpointError(f"{model_dir}: tensor {k} has shape {tuple(tensors[k].shape)}, "
+                                  f"the config implies {tuple(p.shape)}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for moe in model.moe_layers():  # buffers are not in the checkpoint
+        moe.expert_load = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
+    return model.to(dtype).eval()
+
+
+def save_model(model: CausalLM, out_dir: str | Path, max_shard_bytes: int = 16 * 2**20,
+               dtype: torch.dtype | None = None) -> list[Path]:
+    """Write config.json + safetensors shards (+ index when more than one)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("expert_load")}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
+             for k, v in unstack_experts(state).items()}
+    shards, cur, size = [], {}, 0
+    for k in sorted(state):
+        nbytes = state[k].numel() * state[k].element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = state[k]
+        size += nbytes
+    shards.append(cur)
+    paths = []
+    if len(shards) == 1:
+        paths.append(out_dir / "model.safetensors")
+        save_file(shards[0], str(paths[0]), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, sh in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, str(out_dir / name), metadata={"format": "pt"})
+            paths.append(out_dir / name)
+            weight_map.update({k: name for k in sh})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    raw = dict(model.config.raw)
+    if dtype is not None:
+        raw["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    return paths
+
+
+# ----------------------------------------------------------------------------- tokenizer
+class Tokenizer:
+    """`tokenizer.json` through `tokenizers`, with ChatML chat formatting."""
+
+    def __init__(self, model_dir: str | Path | None = None, eos_token_ids: list[int] | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+        model_dir = resolve_model_dir(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        self.tok = HFTokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+        eos = set(eos_token_ids or [])
+        for special in ("<|im_end|>", "<|endoftext|>"):
+            i = self.tok.token_to_id(special)
+            if i is not None:
+                eos.add(i)
+        self.eos_token_ids = sorted(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then the assistant header."""
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in (
+                    "system", "user", "assistant"):
+                raise ValueError("each message needs a role (system, user or assistant) and a string content")
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)

@@ -1,0 +1,305 @@
+"""The target model: a Qwen3-family decoder run over a packed ragged batch.
+
+Idea. One forward takes a flat list of tokens `input_ids[T]` with their absolute `positions[T]`.
+Request r owns rows `cu_seqlens_q[r]:cu_seqlens_q[r+1]`: a prefill chunk, one decode token or a
+verify window; the model itself never cares which. Everything about *where keys and values
+live* is delegated to an attention context passed in by the caller (`ctx.attend`):
+
+* `PagedAttentionContext` stores K/V into the paged cache and attends over it (serving);
+* `DenseAttentionContext` runs plain causal attention over `[batch, seq]` (training);
+* the drafter brings its own context (block attention over injected target features).
+
+Architecture (Hugging Face names, so checkpoints load key for key): token embedding; per layer
+RMSNorm -> attention (GQA; Qwen3 normalises q and k per head before rotate-half RoPE; Llama does
+not) -> residual -> RMSNorm -> SwiGLU MLP or a top-k mixture of experts -> residual; final
+RMSNorm; LM head (tied or not). Per-layer attention type comes from `layer_types`
+(`full_attention` / `sliding_attention`).
+
+Invariants. The MoE experts of a layer are stored stacked (`[E, out, in]`); the loader maps
+them to and from the per-expert Hugging Face keys. `MoE.expert_load` counts tokens routed to
+each expert while `record_load` is on (EPLB reads it). No module-level mutable state.
+Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import FULL, SLIDING, ModelConfig
+
+
+# ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables `[T, head_dim]` for the rotate-half RoPE layout, computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.window_of(layer_idx)
+        self.scale = self.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project, normalise and rotate: returns q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        o = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked: gate/up `[E, I, H]`, down `[E, H, I]`."""
+
+    def __init__(self, n: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(n, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.02)
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k experts, optional renormalisation of the top-k weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
+        self.record_load = False
+
+    def route(self, x: torch.Tensor):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.flatten()
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        if self.record_load:
+            self.expert_load += counts
+        order = torch.argsort(flat, stable=True)           # group (token, slot) pairs by expert
+        token_of = order // self.top_k
+        xs = x[token_of]
+        out = torch.empty_like(xs)
+        w = self.experts
+        start = 0
+        for e, n in enumerate(counts.tolist()):            # one host sync per MoE layer
+            if n:
+                seg = xs[start:start + n]
+                h = F.silu(seg @ w.gate_proj[e].t()) * (seg @ w.up_proj[e].t())
+                out[start:start + n] = h @ w.down_proj[e].t()
+            start += n
+        out = out * weights.flatten()[order][:, None]
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in Hugging Face naming."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor                          # [T, H] after the final norm
+    captured: list[torch.Tensor] = field(default_factory=list)  # raw outputs of the requested layers
+
+
+class CausalLM(nn.Module):
+    """Qwen3 / Qwen3-MoE / Llama causal LM over a packed token list."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                capture_layers: tuple[int, ...] = ()) -> ModelOutput:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, ctx)
+            if i in capture_layers:
+                captured.append(x)
+        return ModelOutput(self.model.norm(x), captured)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def moe_layers(self) -> list[MoE]:
+        return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
+
+
+# ----------------------------------------------------------------------------- attention contexts
+def kv_groups(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Layer indices of each KV group: 'full' (prefix cacheable) and 'sliding' (window)."""
+    groups = {FULL: [], SLIDING: []}
+    for i, t in enumerate(cfg.layer_types):
+        groups[t].append(i)
+    return {("full" if t == FULL else "sliding"): ls for t, ls in groups.items() if ls}
+
+
+class KVCache:
+    """The device tensors of the paged KV cache, one per group:
+    `[n_layers_in_group, 2, num_blocks, block_size, n_kv_heads, head_dim]`."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: dict[str, int], block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.block_size = block_size
+        self.layout = kv_groups(cfg)
+        self.group_of: dict[int, tuple[str, int]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for g, layers in self.layout.items():
+            for j, i in enumerate(layers):
+                self.group_of[i] = (g, j)
+            self.tensors[g] = torch.zeros(len(layers), 2, num_blocks[g], block_size,
+                                          cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        g, j = self.group_of[i]
+        t = self.tensors[g]
+        return g, t[j, 0], t[j, 1]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, n_layers: int, block_size: int, dtype: torch.dtype) -> int:
+        return n_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class GroupMeta:
+    """Per-KV-group addressing of one forward."""
+    block_tables: torch.Tensor          # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor          # int64 [T]; -1 = do not store (already cached)
+    kv_lens: torch.Tensor               # int32 [B], cached tokens including this forward's
+    kv_start: torch.Tensor | None = None  # int32 [B], first position attention may read
+
+
+def attention_ops(backend: str):
+    """(store_kv, paged_attention) of a backend: 'torch' (reference) or 'triton'."""
+    if backend == "triton":
+        from kernels import paged_attention, store_kv
+        return store_kv, paged_attention
+    from kernels.reference import paged_attention_ref, store_kv_ref
+    return store_kv_ref, paged_attention_ref
+
+
+@dataclass
+class PagedAttentionContext:
+    """Store new K/V into the paged cache, then attend over it (see kernels/)."""
+    kv_cache: KVCache
+    cu_seqlens_q: torch.Tensor          # int32 [B+1]
+    max_q_len: int
+    groups: dict[str, GroupMeta]
+    backend: str = "torch"
+
+    def attend(self, layer: int, q, k, v, *, scale: float, window: int) -> torch.Tensor:
+        store_kv, paged_attention = attention_ops(self.backend)
+        g, k_cache, v_cache = self.kv_cache.layer(layer)
+        meta = self.groups[g]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, self.cu_seqlens_q, meta.kv_lens,
+                               scale=scale, sliding_window=window, kv_start=meta.kv_start,
+                               max_q_len=self.max_q_len)
+
+
+@dataclass
+class DenseAttentionContext:
+    """Plain causal (optionally sliding-window) attention over a `[batch, seq]` block; training."""
+    batch: int
+    seq: int
+
+    def attend(self, layer: int, q, k, v, *, scale: float, window: int) -> torch.Tensor:
+        B, S = self.batch, self.seq
+        q, k, v = (t.view(B, S, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        if window:
+            i = torch.arange(S, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * S, o.shape[1], o.shape[3])

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written by `transformers` itself."""
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER = ROOT / "nanodspark" / "assets" / "default" / "tokenizer.json"
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+            rms_norm_eps=1e-6)
+
+
+def make_hf_model(kind: str, out: Path, *, window: int = 0, tie: bool = False, seed: int = 0, **over):
+    """Build, randomise and `save_pretrained` a tiny model; returns its directory.
+
+    kind: "qwen3" | "qwen3_moe" | "llama". With `window`, the upper half of the layers are
+    sliding-window layers (the hybrid layout of the default model)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    kw = dict(TINY, tie_word_embeddings=tie, **over)
+    n = kw["num_hidden_layers"]
+    if kind == "qwen3":
+        if window:
+            kw.update(layer_types=["full_attention"] * (n // 2) + ["sliding_attention"] * (n - n // 2),
+                      sliding_window=window, use_sliding_window=True, max_window_layers=n // 2)
+        cfg = tf.Qwen3Config(**kw)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        cfg = tf.Qwen3MoeConfig(**kw)
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "llama":
+        kw.pop("head_dim")
+        cfg = tf.LlamaConfig(**kw)
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(out)
+    if kind == "qwen3_moe" and window:
+        # transformers' Qwen3-MoE has no per-layer `layer_types`; our config.json carries them.
+        import json
+        c = json.loads((out / "config.json").read_text())
+        c.update(layer_types=["full_attention"] * (n // 2) + ["sliding_attention"] * (n - n // 2),
+                 sliding_window=window)
+        (out / "config.json").write_text(json.dumps(c))
+    if DEFAULT_TOKENIZER.exists():
+        shutil.copy(DEFAULT_TOKENIZER, out / "tokenizer.json")
+    return out, model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny hybrid Qwen3-MoE checkpoint (the shape of the default model) for engine tests."""
+    out = tmp_path_factory.mktemp("tiny_moe")
+    make_hf_model("qwen3_moe", out, window=16, vocab_size=8192 if DEFAULT_TOKENIZER.exists() else 320)
+    return out

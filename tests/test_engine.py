@@ -1,0 +1,164 @@
+"""Continuous batching, chunked prefill, preemption, prefix caching, and bad input.
+
+Every engine run is compared with a plain greedy loop over the dense (training) attention
+path, which shares no code with the paged KV, the scheduler or the runner.
+"""
+import pytest
+import torch
+
+from nanodspark import LLM, SamplingParams
+from nanodspark.engine import Status
+from nanodspark.model import DenseAttentionContext
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            S = len(ids)
+            out = model(torch.tensor(ids), torch.arange(S), DenseAttentionContext(1, S))
+            ids.append(int(model.compute_logits(out.hidden[-1:]).argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(n, vocab, seed=0, lo=3, hi=60):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def check_no_leak(llm):
+    for g, u in llm.engine.kv_usage().items():
+        assert u["used"] == 0, (g, u)
+    sched = llm.engine.scheduler
+    for bm in sched.managers.values():
+        bm.check_invariants([])
+
+
+@pytest.fixture(scope="module")
+def ref_llm(tiny_dir):
+    return LLM(str(tiny_dir), use_tqdm=False)
+
+
+def test_batch_equals_alone_and_dense(tiny_dir, ref_llm):
+    ps = prompts(6, ref_llm.engine.model_config.vocab_size)
+    together = [o.token_ids for o in ref_llm.generate(ps, GREEDY)]
+    for p, t in zip(ps, together):
+        assert t == dense_greedy(ref_llm.engine.model, p, GREEDY.max_tokens)
+    alone = [ref_llm.generate([p], GREEDY)[0].token_ids for p in ps[:3]]
+    assert alone == together[:3]
+    check_no_leak(ref_llm)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_dir, ref_llm):
+    ps = prompts(4, ref_llm.engine.model_config.vocab_size, seed=1, lo=40, hi=90)
+    base = [o.token_ids for o in ref_llm.generate(ps, GREEDY)]
+    chunked = LLM(str(tiny_dir), use_tqdm=False, max_num_batched_tokens=7, enable_prefix_cache=False)
+    assert [o.token_ids for o in chunked.generate(ps, GREEDY)] == base
+    check_no_leak(chunked)
+
+
+def test_preemption_resumes_exactly(tiny_dir, ref_llm):
+    ps = prompts(8, ref_llm.engine.model_config.vocab_size, seed=2, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = [o.token_ids for o in ref_llm.generate(ps, params)]
+    # 16 blocks of 4 tokens cannot hold 8 requests of ~50 tokens: preemption must happen.
+    small = LLM(str(tiny_dir), use_tqdm=False, num_kv_blocks=16, block_size=4)
+    preempted = []
+    orig = small.engine.scheduler.preempt
+    small.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), orig(r))
+    assert [o.token_ids for o in small.generate(ps, params)] == base
+    assert preempted, "the test did not exercise preemption"
+    check_no_leak(small)
+
+
+def test_prefix_hit_equals_miss(tiny_dir):
+    llm = LLM(str(tiny_dir), use_tqdm=False, block_size=4)
+    vocab = llm.engine.model_config.vocab_size
+    shared = prompts(1, vocab, seed=3, lo=70, hi=71)[0]
+    a, b = shared + [1, 2, 3], shared + [4, 5]
+    miss = LLM(str(tiny_dir), use_tqdm=False, block_size=4, enable_prefix_cache=False)
+    expect = [o.token_ids for o in miss.generate([a, b], GREEDY)]
+    first = llm.generate([a], GREEDY)[0].token_ids
+    req = llm.engine.add_request(b, GREEDY)
+    outs = []
+    while req.status != Status.FINISHED:
+        outs += llm.engine.step()
+    assert req.tables == {} and first == expect[0]
+    assert req.output_ids == expect[1]
+    check_no_leak(llm)
+
+
+def test_prefix_hit_reports_cached_tokens(tiny_dir):
+    llm = LLM(str(tiny_dir), use_tqdm=False, block_size=4)
+    p = list(range(10, 60))
+    llm.generate([p], GREEDY)
+    req = llm.engine.add_request(p + [7], GREEDY)
+    llm.engine.step()
+    assert req.tables["full"].num_cached_tokens == 48  # 50 shared tokens -> 12 full blocks
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_dir, ref_llm):
+    eng = ref_llm.engine
+    vocab = eng.model_config.vocab_size
+    good = eng.add_request([1, 2, 3], GREEDY)
+    for prompt, params, msg in [
+        ([], GREEDY, "empty"),
+        ([vocab + 5], GREEDY, "out of range"),
+        ([-1], GREEDY, "out of range"),
+        ([1] * eng.max_model_len, GREEDY, "context limit"),
+        ([1], SamplingParams(temperature=-1), "temperature"),
+        ([1], SamplingParams(top_p=0), "top_p"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(top_k=-2), "top_k"),
+        ("text" if eng.tokenizer is None else 3.5, GREEDY, "tokenizer|prompt must be"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            eng.add_request(prompt, params)
+    while good.status != Status.FINISHED:
+        eng.step()
+    assert len(good.output_ids) == GREEDY.max_tokens
+    eng.release(good.request_id)
+    check_no_leak(ref_llm)
+
+
+def test_abort_frees_blocks(tiny_dir):
+    llm = LLM(str(tiny_dir), use_tqdm=False)
+    eng = llm.engine
+    r1 = eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=50))
+    r2 = eng.add_request(list(range(2, 30)), SamplingParams(temperature=0, max_tokens=50))
+    eng.step()
+    eng.step()
+    out = eng.abort(r1.request_id)
+    assert out.finished and out.finish_reason == "abort" and r1.tables == {}
+    eng.abort(r2.request_id)
+    assert not eng.has_unfinished()
+    check_no_leak(llm)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir, ref_llm):
+    ps = prompts(3, ref_llm.engine.model_config.vocab_size, seed=5)
+    sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=10, seed=123, ignore_eos=True)
+    a = [o.token_ids for o in ref_llm.generate(ps, sp)]
+    b = [ref_llm.generate([p], sp)[0].token_ids for p in ps]
+    assert a == b
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    c = [o.token_ids for o in ref_llm.generate(ps, unseeded)]
+    assert c != a  # the seed matters
+
+
+def test_max_tokens_and_eos(tiny_dir, ref_llm):
+    p = prompts(1, ref_llm.engine.model_config.vocab_size, seed=6)[0]
+    out = ref_llm.generate([p], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    eos_tok = out.token_ids[2]
+    eng = ref_llm.engine
+    saved = eng.eos_ids
+    eng.eos_ids = {eos_tok}
+    try:
+        o2 = ref_llm.generate([p], SamplingParams(temperature=0, max_tokens=5))[0]
+    finally:
+        eng.eos_ids = saved
+    assert o2.finish_reason == "stop" and o2.token_ids == out.token_ids[:out.token_ids.index(eos_tok) + 1]
