@@ -168,6 +168,7 @@ class EngineConfig:
     drafter_path: str | None = None       # a drafter checkpoint; None = the default's drafter if shipped, "none" = off
     gamma: int = 0                        # draft block size; 0 = the drafter's trained block size
     verify_mode: str = "static"           # "static" | "compact" | "cap-accept"
+    cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate
 

@@ -140,10 +140,12 @@ class Scheduler:
     def _allocate(self, req: Request) -> None:
         """Tables for all of the request's tokens; prefix hit on the full group (atomic)."""
         ids = req.all_ids
+        cached = [bm for g, bm in self.managers.items() if g != "sliding"]
+        cap = min((bm.match_prefix(ids) for bm in cached), default=0)  # a hit must hold in every group
         tables = {}
         try:
             for g, bm in self.managers.items():
-                tables[g] = bm.allocate_prompt(ids) if g == "full" else _fresh(bm, len(ids))
+                tables[g] = _fresh(bm, len(ids)) if g == "sliding" else bm.allocate_prompt(ids, cap)
         except NoFreeBlocks:
             for g, t in tables.items():
                 self.managers[g].free(t)
@@ -237,22 +239,53 @@ class LLMEngine:
         self.backend = cfg.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
-        num_blocks = self._num_kv_blocks()
+        drafter = self._load_drafter(model_dir)
+        num_blocks = self._num_kv_blocks(drafter)
         self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
+        self.spec = None
+        if drafter is not None:
+            managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+            self.spec = self._make_spec(drafter, managers["draft"], num_blocks)
         self.scheduler = Scheduler(cfg, mc, managers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         self.default_generator = make_generator(cfg.seed, self.device, None)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.spec = None  # set by nanodspark.speculative when a drafter is loaded
 
-    def _num_kv_blocks(self) -> int:
+    def _load_drafter(self, model_dir):
+        from .drafter import Drafter
+        path = self.config.drafter_path
+        if path is None:
+            path = model_dir / "drafter"
+            if not (path / "config.json").exists():
+                return None
+        elif str(path).lower() == "none":
+            return None
+        d = Drafter.load(path, self.model, self.device, self.dtype)
+        if self.config.gamma and self.config.gamma != d.config.gamma:
+            raise ValueError(f"gamma={self.config.gamma} but the drafter was trained with block size "
+                             f"{d.config.gamma}; serve with its own gamma (trim with verify_mode instead)")
+        return d
+
+    def _make_spec(self, drafter, manager, num_blocks):
+        from .cost_scheduler import CostScheduler, CostTable
+        from .speculative import SpecDecoder
+        dc, cfg = drafter.config, self.config
+        cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads, dc.head_dim,
+                            dtype=self.dtype, device=self.device)
+        table = CostTable.load(cfg.cost_table, str(cfg.drafter_path or "default"), str(self.dtype),
+                               self.device.type, ()) if cfg.cost_table else None
+        sched = CostScheduler(dc.gamma, cfg.max_num_seqs + cfg.max_waiting + 1, mode=cfg.verify_mode, cost_table=table)
+        return SpecDecoder(drafter, manager, cache, cfg.verify_mode, sched, cfg.max_num_seqs + cfg.max_waiting + 1)
+
+    def _num_kv_blocks(self, drafter=None) -> int:
         cfg, mc = self.config, self.model_config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        per_block = KVCache.bytes_per_block(mc, mc.num_hidden_layers, cfg.block_size, self.dtype)
+        n_layers = mc.num_hidden_layers + (drafter.config.num_layers if drafter is not None else 0)
+        per_block = KVCache.bytes_per_block(mc, n_layers, cfg.block_size, self.dtype)
         if cfg.kv_cache_memory_gb:
             return max(1, int(cfg.kv_cache_memory_gb * 2**30 // per_block))
         if self.device.type == "cuda":
@@ -262,7 +295,8 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, queue_limit: bool = True) -> Request:
+        """Validate and queue a request. `queue_limit=False` (offline `generate`) ignores `max_waiting`."""
         params = (params or SamplingParams()).validate()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -285,7 +319,7 @@ class LLMEngine:
             if bm.blocks_for(worst) > bm.num_blocks:
                 raise ValueError(f"request needs up to {bm.blocks_for(worst)} KV blocks, the cache has "
                                  f"{bm.num_blocks}; lower max_tokens or enlarge the KV cache")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if queue_limit and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise OverflowError(f"{len(self.scheduler.waiting)} requests are already waiting")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -375,10 +409,10 @@ class LLMEngine:
         for g, t in req.tables.items():
             bm = sched.managers[g]
             bm.truncate(t, min(t.num_tokens, req.num_tokens))  # drop rejected speculative slots
-            if g == "full":
-                bm.commit(t, req.all_ids[:req.num_computed])
-            else:
+            if g == "sliding":
                 bm.release_outside_window(t, self.model_config.sliding_window, req.num_computed)
+            else:
+                bm.commit(t, req.all_ids[:req.num_computed])
         delta, stop_hit = self._detokenize(req, accepted, final=reason is not None)
         if stop_hit:
             reason = "stop"
@@ -409,6 +443,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "") -> RequestOutput:
         req.status, req.finish_reason = Status.FINISHED, reason
+        if self.spec is not None:
+            self.spec.release(req)
         if reason == "abort" and req.text:
             delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
@@ -438,7 +474,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         eng = self.engine
-        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [eng.add_request(p, sp, queue_limit=False) for p, sp in zip(prompts, plist)]
         show = self.engine.config.use_tqdm if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(reqs), desc="generate", disable=not show)
         while any(r.status != Status.FINISHED for r in reqs):

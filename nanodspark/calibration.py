@@ -1,0 +1,387 @@
+"""Calibration of the confidence head: metrics and Sequential Temperature Scaling (STS).
+
+Paper: DSpark §3.2.1 (confidence head, cumulative survival, STS) and §4.3.3 (ECE / AUROC of
+the raw and calibrated head). Walkthrough: chapter 06.
+
+The idea
+    The confidence head gives, per draft position k, a logit z_k whose sigmoid c_k is meant to
+    be the *conditional* probability that draft token k survives verification given tokens
+    1..k-1 survived. The scheduler uses the *survival* a_k = c_1 * ... * c_k (a cumulative
+    product) as an absolute probability, so the head must be calibrated, not only rank well.
+    STS fits one temperature T_k per position, left to right: with T_1..T_{k-1} fixed, it picks
+    the T on a log grid that minimises the ECE of a_k = prod_{i<k} sigmoid(z_i/T_i) *
+    sigmoid(z_k/T) against the prefix label y_k (1 iff drafts 1..k were all accepted).
+    At run time c_k = sigmoid(z_k / T_k) (`apply_temperatures`).
+
+Invariants
+    * Labels are prefix labels: y_k = 1 implies y_j = 1 for j < k. `valid[n, k]` says position k
+      of proposal n exists (was drafted and verified); metrics at position k use only valid rows.
+    * Temperature scaling is strictly monotone per position, so position 1's AUROC is unchanged.
+    * Every metric is computed in float64 on the CPU copy of its inputs; nothing here touches a
+      device stream, and nothing is kept at module level.
+    * `OnlineCalibrationMetrics` holds only fixed-size histograms (memory is O(gamma * n_bins)).
+
+Definitions (all on the cumulative survival vs the prefix label, per position)
+    ECE     sum_b (n_b / N) * |mean_pred_b - mean_label_b| over equal-width bins on [0, 1]
+    AUROC   Mann-Whitney statistic with average ranks for ties; nan when one class is absent
+    Brier   mean (pred - label)^2
+
+Defaults (the one place they are written down; every function takes them as parameters)
+    N_BINS = 20                 equal-width ECE / reliability bins (DeepSpec's evaluator)
+    STS_T_MIN, STS_T_MAX = 0.05, 20.0 and STS_GRID_POINTS = 256, plus T = 1.0 (DeepSpec PR #63)
+    STS tie-break: among grid temperatures with equal ECE, the one closest to 1 (|log T| least).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+N_BINS = 20            # equal-width bins for ECE and reliability diagrams
+STS_T_MIN = 0.05       # smallest temperature on the STS grid
+STS_T_MAX = 20.0       # largest temperature on the STS grid
+STS_GRID_POINTS = 256  # log-spaced points between STS_T_MIN and STS_T_MAX (T = 1.0 is added)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _f64(x) -> torch.Tensor:
+    """Any array-like -> a float64 CPU tensor (metrics are host-side; lists are read as float64)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64)
+    return torch.as_tensor(np.asarray(x, dtype=np.float64))
+
+
+def _bin_index(pred: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """Equal-width bin of each prediction in [0, 1]; 1.0 falls into the last bin."""
+    return (pred.clamp(0.0, 1.0) * n_bins).long().clamp_(max=n_bins - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+def ece(pred, label, n_bins: int = N_BINS) -> float:
+    """Expected calibration error: sum_b n_b/N |mean_pred_b - mean_label_b| (equal-width bins)."""
+    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    if p.numel() == 0:
+        return float("nan")
+    b = _bin_index(p, n_bins)
+    gap = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, b, p - y)
+    return float(gap.abs().sum() / p.numel())
+
+
+def auroc(pred, label) -> float:
+    """Exact area under the ROC curve (rank statistic, average ranks for ties); nan if one class."""
+    p, y = _f64(pred).flatten(), _f64(label).flatten() > 0.5
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = torch.unique(p, sorted=True, return_inverse=True, return_counts=True)
+    first_rank = torch.cumsum(counts, 0) - counts + 1          # 1-based rank of each group's first
+    avg_rank = first_rank.to(torch.float64) + (counts.to(torch.float64) - 1) / 2
+    rank_sum_pos = avg_rank[inverse][y].sum()
+    return float((rank_sum_pos - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def brier(pred, label) -> float:
+    """Mean squared error between predicted probability and the 0/1 label."""
+    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    return float(((p - y) ** 2).mean()) if p.numel() else float("nan")
+
+
+@dataclass(frozen=True)
+class ReliabilityBins:
+    """Per-bin means and counts of a reliability diagram; empty bins have nan means."""
+    edges: torch.Tensor       # [n_bins + 1]
+    mean_pred: torch.Tensor   # [n_bins]
+    mean_label: torch.Tensor  # [n_bins]
+    count: torch.Tensor       # [n_bins] int64
+
+
+def reliability(pred, label, n_bins: int = N_BINS) -> ReliabilityBins:
+    """Equal-width reliability bins: (mean predicted, mean observed, count) per bin."""
+    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    b = _bin_index(p, n_bins)
+    count = torch.bincount(b, minlength=n_bins)
+    sp = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, b, p)
+    sy = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, b, y)
+    denom = count.to(torch.float64)
+    nan = torch.full_like(denom, float("nan"))
+    return ReliabilityBins(
+        edges=torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64),
+        mean_pred=torch.where(count > 0, sp / denom.clamp(min=1), nan),
+        mean_label=torch.where(count > 0, sy / denom.clamp(min=1), nan),
+        count=count,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# survival and STS
+# ---------------------------------------------------------------------------------------------
+
+def survival(conf: torch.Tensor) -> torch.Tensor:
+    """Cumulative survival a_k = c_1 * ... * c_k along the last dim (the chain rule)."""
+    return torch.cumprod(conf, dim=-1)
+
+
+def apply_temperatures(logits: torch.Tensor, temps) -> torch.Tensor:
+    """Calibrated conditional confidences c_k = sigmoid(z_k / T_k); logits [..., gamma].
+
+    Runs on the logits' device and dtype (temps are moved there), so the engine can call it on
+    the drafter output without a host sync.
+    """
+    t = torch.as_tensor(temps, dtype=logits.dtype, device=logits.device)
+    return torch.sigmoid(logits / t)
+
+
+def sts_grid(t_min: float = STS_T_MIN, t_max: float = STS_T_MAX,
+             n_points: int = STS_GRID_POINTS) -> torch.Tensor:
+    """Sorted float64 grid: n_points log-spaced temperatures in [t_min, t_max] plus T = 1.0."""
+    g = torch.logspace(math.log10(t_min), math.log10(t_max), n_points, dtype=torch.float64)
+    return torch.unique(torch.cat([g, torch.ones(1, dtype=torch.float64)]))
+
+
+def _ece_per_candidate(pred: torch.Tensor, label: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """ECE of each column of pred [N, G] against label [N]; returns [G]."""
+    n, g = pred.shape
+    b = _bin_index(pred, n_bins)                                   # [N, G]
+    flat = b + n_bins * torch.arange(g).unsqueeze(0)              # one histogram per column
+    gap = torch.zeros(g * n_bins, dtype=torch.float64)
+    gap.index_add_(0, flat.flatten(), (pred - label.unsqueeze(1)).flatten())
+    return gap.view(g, n_bins).abs().sum(1) / n
+
+
+def fit_sts(logits, labels, valid=None, grid=None, n_bins: int = N_BINS) -> torch.Tensor:
+    """Sequential Temperature Scaling: one temperature per position, fitted left to right.
+
+    logits, labels: [N, gamma] raw confidence logits z and prefix labels y (0/1).
+    valid: [N, gamma] bool, position k exists for proposal n (default: all True).
+    grid: candidate temperatures (default `sts_grid()`).
+    Returns temperatures [gamma] (float64). A position with no valid rows keeps T = 1.
+    """
+    z, y = _f64(logits), _f64(labels)
+    v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+    grid = sts_grid() if grid is None else _f64(grid)
+    closeness = grid.log().abs()                 # tie-break: prefer temperatures near 1
+    gamma = z.shape[-1]
+    temps = torch.ones(gamma, dtype=torch.float64)
+    prefix = torch.ones(z.shape[0], dtype=torch.float64)        # prod_{i<k} sigmoid(z_i / T_i)
+    for k in range(gamma):
+        rows = v[:, k]
+        if rows.any():
+            cand = prefix[rows].unsqueeze(1) * torch.sigmoid(z[rows, k].unsqueeze(1) / grid)
+            err = _ece_per_candidate(cand, y[rows, k], n_bins)
+            best = torch.isclose(err, err.min(), rtol=0.0, atol=1e-12)
+            temps[k] = grid[torch.where(best, closeness, torch.inf).argmin()]
+        prefix = prefix * torch.sigmoid(z[:, k] / temps[k])
+    return temps
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PositionMetrics:
+    """Calibration metrics of one position's cumulative survival vs its prefix label."""
+    count: int
+    ece: float
+    auroc: float
+    brier: float
+    mean_pred: float
+    mean_observed: float
+
+
+def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[PositionMetrics]:
+    """Per-position metrics of survivals [N, gamma] against prefix labels, on valid rows only."""
+    a, y = _f64(surv), _f64(labels)
+    v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+    out = []
+    for k in range(a.shape[-1]):
+        pk, yk = a[v[:, k], k], y[v[:, k], k]
+        n = int(pk.numel())
+        out.append(PositionMetrics(
+            count=n, ece=ece(pk, yk, n_bins), auroc=auroc(pk, yk), brier=brier(pk, yk),
+            mean_pred=float(pk.mean()) if n else float("nan"),
+            mean_observed=float(yk.mean()) if n else float("nan")))
+    return out
+
+
+@dataclass
+class CalibrationReport:
+    """Per-position metrics before (raw, T = 1) and after STS."""
+    temperatures: list[float]
+    before: list[PositionMetrics]
+    after: list[PositionMetrics]
+    n_bins: int = N_BINS
+
+    def mean_ece(self, which: str = "after") -> float:
+        """Count-weighted mean ECE over positions ("before" or "after")."""
+        rows = getattr(self, which)
+        total = sum(m.count for m in rows)
+        return sum(m.ece * m.count for m in rows if m.count) / total if total else float("nan")
+
+    def format(self) -> str:
+        """A plain-text table, one line per position."""
+        head = (f"{'pos':>3} {'T':>7} {'n':>7} | {'ECE raw':>8} {'ECE sts':>8} | {'AUROC raw':>9} "
+                f"{'AUROC sts':>9} | {'Brier raw':>9} {'Brier sts':>9} | {'pred raw':>8} "
+                f"{'pred sts':>8} {'observed':>8}")
+        lines = [head, "-" * len(head)]
+        for k, (t, b, a) in enumerate(zip(self.temperatures, self.before, self.after)):
+            lines.append(f"{k + 1:>3} {t:>7.3f} {b.count:>7d} | {b.ece:>8.4f} {a.ece:>8.4f} | "
+                         f"{b.auroc:>9.4f} {a.auroc:>9.4f} | {b.brier:>9.4f} {a.brier:>9.4f} | "
+                         f"{b.mean_pred:>8.4f} {a.mean_pred:>8.4f} {b.mean_observed:>8.4f}")
+        lines.append(f"mean ECE (count-weighted): raw {self.mean_ece('before'):.4f} -> "
+                     f"STS {self.mean_ece('after'):.4f}")
+        return "\n".join(lines)
+
+
+def calibration_report(logits, labels, valid=None, temps=None, n_bins: int = N_BINS) -> CalibrationReport:
+    """Metrics of the raw head (T = 1) and of the head with `temps` (fitted by STS if None)."""
+    z = _f64(logits)
+    temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
+    raw = survival(torch.sigmoid(z))
+    cal = survival(apply_temperatures(z, temps))
+    return CalibrationReport(
+        temperatures=[float(t) for t in temps],
+        before=position_metrics(raw, labels, valid, n_bins),
+        after=position_metrics(cal, labels, valid, n_bins),
+        n_bins=n_bins,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# online metrics (the engine feeds these while serving)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class OnlineCalibrationMetrics:
+    """Running per-position calibration of predicted survival vs observed prefix acceptance.
+
+    Memory is three [gamma, n_bins] histograms (count, sum of predictions, sum of labels), so it
+    can run forever. `update` takes the survivals the scheduler used and the prefix labels the
+    verifier produced; only positions that were actually verified (valid) should be fed, since
+    a trimmed position has no label.
+    """
+    gamma: int
+    n_bins: int = N_BINS
+    count: torch.Tensor = field(init=False)
+    sum_pred: torch.Tensor = field(init=False)
+    sum_label: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        shape = (self.gamma, self.n_bins)
+        self.count = torch.zeros(shape, dtype=torch.float64)
+        self.sum_pred = torch.zeros(shape, dtype=torch.float64)
+        self.sum_label = torch.zeros(shape, dtype=torch.float64)
+
+    def update(self, surv, labels, valid=None) -> None:
+        """Accumulate survivals [N, gamma] and prefix labels [N, gamma] where valid [N, gamma]."""
+        a, y = _f64(surv), _f64(labels)
+        v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+        pos = torch.arange(self.gamma).expand_as(a)
+        cell = (pos * self.n_bins + _bin_index(a, self.n_bins))[v]
+        self.count.view(-1).index_add_(0, cell, torch.ones_like(a[v]))
+        self.sum_pred.view(-1).index_add_(0, cell, a[v])
+        self.sum_label.view(-1).index_add_(0, cell, y[v])
+
+    def samples(self) -> torch.Tensor:
+        """Number of observations per position [gamma]."""
+        return self.count.sum(1)
+
+    def ece(self) -> torch.Tensor:
+        """Running ECE per position [gamma]; nan where a position has no observation yet."""
+        n = self.samples()
+        e = (self.sum_pred - self.sum_label).abs().sum(1) / n.clamp(min=1)
+        return torch.where(n > 0, e, torch.full_like(e, float("nan")))
+
+    def mean_pred(self) -> torch.Tensor:
+        n = self.samples()
+        return torch.where(n > 0, self.sum_pred.sum(1) / n.clamp(min=1), torch.full_like(n, float("nan")))
+
+    def mean_observed(self) -> torch.Tensor:
+        n = self.samples()
+        return torch.where(n > 0, self.sum_label.sum(1) / n.clamp(min=1), torch.full_like(n, float("nan")))
+
+
+# ---------------------------------------------------------------------------------------------
+# a dependency-free reliability diagram (PNG written with zlib + struct)
+# ---------------------------------------------------------------------------------------------
+
+_WHITE, _GRID, _AXIS = (255, 255, 255), (225, 225, 225), (40, 40, 40)
+_RAW, _CAL, _BAR = (214, 39, 40), (31, 119, 180), (150, 150, 150)
+
+
+def write_png(path, rgb: np.ndarray) -> None:
+    """Write an [H, W, 3] uint8 image as an 8-bit RGB PNG (no filter, one IDAT chunk)."""
+    h, w, _ = rgb.shape
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    rows = b"".join(b"\x00" + rgb[i].astype(np.uint8).tobytes() for i in range(h))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    Path(path).write_bytes(png)
+
+
+def _dot(img: np.ndarray, x: int, y: int, color, radius: int) -> None:
+    img[max(0, y - radius):y + radius + 1, max(0, x - radius):x + radius + 1] = color
+
+
+def _panel(bins_raw: ReliabilityBins, bins_cal: ReliabilityBins, size: int, hist: int,
+           radius: int) -> np.ndarray:
+    """One position: diagonal, raw (red) and STS (blue) points, count histogram below."""
+    img = np.full((size + hist, size, 3), _WHITE, dtype=np.uint8)
+    for t in range(0, size, max(1, size // 10)):
+        img[:size, t] = _GRID
+        img[t, :] = _GRID
+    for i in range(size):                                     # the diagonal: perfect calibration
+        img[size - 1 - i, i] = _AXIS
+    img[size - 1, :], img[:size, 0] = _AXIS, _AXIS
+    for bins, color in ((bins_raw, _RAW), (bins_cal, _CAL)):
+        for mp, ml, c in zip(bins.mean_pred.tolist(), bins.mean_label.tolist(), bins.count.tolist()):
+            if c > 0:
+                _dot(img, round(mp * (size - 1)), size - 1 - round(ml * (size - 1)), color, radius)
+    counts = bins_cal.count.to(torch.float64)
+    n_bins, top = counts.numel(), float(counts.max()) if counts.numel() else 0.0
+    for b, c in enumerate(counts.tolist()):
+        if top > 0 and c > 0:
+            x0, x1 = b * size // n_bins, max(b * size // n_bins + 1, (b + 1) * size // n_bins - 1)
+            height = max(1, round((hist - 2) * c / top))
+            img[size + hist - height:size + hist, x0:x1] = _BAR
+    return img
+
+
+def save_reliability_png(path, logits, labels, valid=None, temps=None, n_bins: int = N_BINS,
+                         panel_px: int = 160, hist_px: int = 40, gap_px: int = 8,
+                         dot_radius: int = 2) -> Path:
+    """Reliability diagrams of cumulative survival, one panel per position, side by side.
+
+    Red = raw head (T = 1), blue = after STS (`temps`, fitted if None); grey bars = how many
+    samples fall in each bin after STS. x = mean predicted survival, y = observed prefix rate.
+    """
+    z = _f64(logits)
+    temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
+    v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+    raw, cal, y = survival(torch.sigmoid(z)), survival(apply_temperatures(z, temps)), _f64(labels)
+    panels = []
+    for k in range(z.shape[-1]):
+        rk = reliability(raw[v[:, k], k], y[v[:, k], k], n_bins)
+        ck = reliability(cal[v[:, k], k], y[v[:, k], k], n_bins)
+        panels.append(_panel(rk, ck, panel_px, hist_px, dot_radius))
+        panels.append(np.full((panel_px + hist_px, gap_px, 3), _WHITE, dtype=np.uint8))
+    write_png(path, np.concatenate(panels[:-1], axis=1))
+    return Path(path)

@@ -1,0 +1,614 @@
+"""Hardware-aware prefix scheduler: how many draft tokens the target verifies, and whose.
+
+Paper: DSpark §3.2.2 (Algorithm 1, the synchronous lossless rule, and Appendix A on why it
+stops early), §5.2 (production relay: budget from confidences two steps old, allocation by
+top-K over the fresh ones) and §6.5-style block-accept ceiling. Walkthrough: chapter 07.
+
+The idea
+    Each request r has conditional confidences c_{r,1..gamma}; its survival a_{r,k} =
+    c_{r,1} ... c_{r,k} is the probability that draft k is accepted. Verifying one more draft
+    of r adds a_{r,k} expected tokens and one verify token of cost. With a profiled step cost,
+    the scheduler picks the windows (drafts verified per request) that maximise expected
+    tokens per second, Theta = tau * SPS(B) = tau / T(B), where B = R + sum(windows) verify
+    tokens (one anchor per request plus the drafts) and tau = R + sum of admitted survivals.
+    Because a_{r,k} never increases with k, admitting cells in globally descending survival
+    order always yields prefix windows.
+
+Two ways to stay lossless (admission of draft x_{r,k} must not depend on x_{r,k} itself,
+whose value feeds c_{r,k+1} through the Markov feature):
+    * `algorithm1`: one synchronous pass that stops at the first non-improvement of Theta; it
+      admits (r, k) before it ever looks at a_{r,k+1}. Optimal when Theta is unimodal.
+    * `budget_from_lagged` + `allocate_windows_topk` (production): the *number* K of drafts is a
+      global argmax computed from confidences `lag` steps old (independent of this step's
+      drafts), then the K cells with the largest *current* survivals are admitted, ties going
+      to the lower position. a_{r,k+1} <= a_{r,k} and the tie-break mean no cell that depends on
+      x_{r,k} can outrank (r, k), so "window_r >= k iff (r, k) is in the top K" is decided
+      before x_{r,k} matters.
+
+Invariants
+    * Windows are contiguous prefixes: window_r = number of admitted cells of row r.
+    * Sort order of cells: survival descending, then position ascending, then request ascending.
+    * A cell with survival 0 is never admitted.
+    * `allocate_windows_topk` never reads a device value back to the host.
+    * A cost table is non-decreasing in bs and in K; without one (or with a flat one) nothing
+      is trimmed: the full budget R * gamma is verified.
+    * The relay gives survival 1.0 (conservative: verify everything) to a slot whose lagged
+      entry is missing, stale (another step) or recycled (another generation id).
+
+Defaults (the one place they are written down; every function takes them as parameters)
+    DEFAULT_LAG = 2              steps between the confidences the budget uses and now (§5.2)
+    DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
+                                 (the value TensorRT-LLM's `confidence_min_predicted_gain` uses)
+    DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
+    DEFAULT_REPEATS = 5          timed repetitions per (bs, K) in `profile_step_cost` (median)
+    DEFAULT_WARMUP = 1           untimed calls per (bs, K) before the timed ones
+    DEFAULT_FLAT_REL_TOL = 0.01  a table is flat if T(bs, K) varies by < 1 % over K at every bs
+    DEFAULT_WILSON_Z = 1.96      z of the Wilson intervals of the ceiling estimator (~95 %)
+    DEFAULT_CEILING_RECORDS = 4096  sliding window of the ceiling estimator, in records
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_LAG = 2
+DEFAULT_MIN_GAIN = 0.04
+DEFAULT_SURVIVAL_EPS = 1e-6
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 1
+DEFAULT_FLAT_REL_TOL = 0.01
+DEFAULT_WILSON_Z = 1.96
+DEFAULT_CEILING_RECORDS = 4096
+MODES = ("static", "compact", "cap-accept")
+
+
+# =============================================================================================
+# cost table: T(bs, K) seconds per step, bs requests, K extra verify tokens, M = bs + K
+# =============================================================================================
+
+def _basis(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
+    """Piecewise-linear (hat) weights of points x [n] on knots [m] -> [n, m].
+
+    Clamped below the first knot; linear extrapolation of the last segment above the last knot
+    (so a cost keeps growing past the profiled range instead of going flat).
+    """
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    m = len(knots)
+    w = np.zeros((x.size, m))
+    if m == 1:
+        w[:, 0] = 1.0
+        return w
+    xc = np.maximum(x, knots[0])
+    seg = np.clip(np.searchsorted(knots, xc, side="right") - 1, 0, m - 2)
+    t = (xc - knots[seg]) / (knots[seg + 1] - knots[seg])
+    rows = np.arange(x.size)
+    w[rows, seg] = 1.0 - t
+    w[rows, seg + 1] = t
+    return w
+
+
+@dataclass(frozen=True)
+class AdditiveCost:
+    """T(bs, K) = bias + alpha(bs) + theta(bs + K), alpha/theta piecewise linear on their knots.
+
+    alpha is the per-request floor (draft pass, per-request overheads) that trimming cannot
+    change; theta is the cost of M verify tokens, the only part trimming recovers.
+    alpha(bs_knots[0]) = 0 and theta(m_knots[0]) = 0 make the split identifiable.
+    """
+    bias: float
+    bs_knots: tuple[float, ...]
+    alpha: tuple[float, ...]
+    m_knots: tuple[float, ...]
+    theta: tuple[float, ...]
+
+    def curve(self, bs: int, ks) -> np.ndarray:
+        """Predicted seconds of a step with bs requests for each K in ks (vectorised)."""
+        ks = np.asarray(ks, dtype=np.float64).reshape(-1)
+        a = _basis(np.array([bs]), np.asarray(self.bs_knots)) @ np.asarray(self.alpha)
+        th = _basis(bs + ks, np.asarray(self.m_knots)) @ np.asarray(self.theta)
+        return self.bias + a[0] + th
+
+    def __call__(self, bs: int, k: int) -> float:
+        return float(self.curve(bs, [k])[0])
+
+
+def force_monotone(measurements: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Raise each T(bs, K) to the largest value at any smaller-or-equal (bs', K') measured.
+
+    Noise can make a bigger step look cheaper; the scheduler must never believe that.
+    """
+    out: dict[tuple[int, int], float] = {}
+    for bs, k in sorted(measurements):
+        v = measurements[(bs, k)]
+        for (b2, k2), v2 in out.items():
+            if b2 <= bs and k2 <= k:
+                v = max(v, v2)
+        out[(bs, k)] = v
+    return out
+
+
+@dataclass
+class CostTable:
+    """Measured step seconds {(bs, K): s} and the additive model fitted to them.
+
+    Keyed (for `save` / `load`) by model name, dtype, device and the graph tiers in use, since a
+    table measured under one of those says nothing about another.
+    """
+    measurements: dict[tuple[int, int], float] = field(default_factory=dict)
+    model_name: str = ""
+    dtype: str = ""
+    device: str = ""
+    graph_tiers: tuple[int, ...] = ()
+    additive: AdditiveCost | None = None
+
+    # ---- fitting and prediction ----
+    def fit_additive(self, m_knots: Sequence[int] | None = None) -> AdditiveCost:
+        """Least-squares fit of bias + alpha(bs) + theta(M); forced monotone; stored and returned.
+
+        Knots default to the measured batch sizes and the measured M = bs + K values. The
+        problem is linear in (bias, alpha at knots, theta at knots), so one joint `lstsq`
+        (minimum-norm where the design leaves freedom) replaces backfitting.
+        """
+        if not self.measurements:
+            raise ValueError("cannot fit an empty cost table")
+        keys = sorted(self.measurements)
+        bs = np.array([b for b, _ in keys], dtype=np.float64)
+        m = np.array([b + k for b, k in keys], dtype=np.float64)
+        y = np.array([self.measurements[key] for key in keys])
+        bk = np.unique(bs)
+        mk = np.unique(m) if m_knots is None else np.unique(np.asarray(m_knots, dtype=np.float64))
+        design = np.hstack([np.ones((len(y), 1)), _basis(bs, bk)[:, 1:], _basis(m, mk)[:, 1:]])
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        alpha = np.maximum.accumulate(np.concatenate([[0.0], coef[1:len(bk)]]))
+        theta = np.maximum.accumulate(np.concatenate([[0.0], coef[len(bk):]]))
+        self.additive = AdditiveCost(float(coef[0]), tuple(bk.tolist()), tuple(alpha.tolist()),
+                                     tuple(mk.tolist()), tuple(theta.tolist()))
+        return self.additive
+
+    def model(self) -> AdditiveCost:
+        return self.additive if self.additive is not None else self.fit_additive()
+
+    def predict(self, bs: int, k: int) -> float:
+        """Predicted seconds of a verify step with bs requests and k extra (draft) tokens."""
+        return self.model()(bs, k)
+
+    def curve(self, bs: int, k_max: int) -> np.ndarray:
+        """Predicted seconds for K = 0..k_max at batch size bs."""
+        return self.model().curve(bs, np.arange(k_max + 1))
+
+    def is_flat(self, rel_tol: float = DEFAULT_FLAT_REL_TOL) -> bool:
+        """True when no measured batch size shows the cost growing with K (or nothing measured).
+
+        On a flat table trimming saves nothing, so the budget search returns the full budget.
+        """
+        by_bs: dict[int, list[float]] = {}
+        for (b, _), s in self.measurements.items():
+            by_bs.setdefault(b, []).append(s)
+        return all(max(v) - min(v) <= rel_tol * min(v) for v in by_bs.values())
+
+    def format_fit(self) -> str:
+        """Measured vs predicted milliseconds for every measured (bs, K)."""
+        lines = [f"{'bs':>5} {'K':>5} {'M':>6} {'measured ms':>12} {'predicted ms':>13} {'err %':>7}"]
+        for (b, k), s in sorted(self.measurements.items()):
+            p = self.predict(b, k)
+            lines.append(f"{b:>5} {k:>5} {b + k:>6} {1e3 * s:>12.3f} {1e3 * p:>13.3f} "
+                         f"{100 * (p - s) / s if s else float('nan'):>7.2f}")
+        return "\n".join(lines)
+
+    # ---- persistence ----
+    @property
+    def key(self) -> str:
+        tiers = ",".join(str(t) for t in self.graph_tiers)
+        return f"{self.model_name}|{self.dtype}|{self.device}|tiers={tiers}"
+
+    def to_json(self) -> dict:
+        d = {"model_name": self.model_name, "dtype": self.dtype, "device": self.device,
+             "graph_tiers": list(self.graph_tiers),
+             "measurements": [[b, k, s] for (b, k), s in sorted(self.measurements.items())]}
+        if self.additive is not None:
+            a = self.additive
+            d["additive"] = {"bias": a.bias, "bs_knots": list(a.bs_knots), "alpha": list(a.alpha),
+                             "m_knots": list(a.m_knots), "theta": list(a.theta)}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostTable":
+        add = d.get("additive")
+        return cls(
+            measurements={(int(b), int(k)): float(s) for b, k, s in d["measurements"]},
+            model_name=d.get("model_name", ""), dtype=d.get("dtype", ""), device=d.get("device", ""),
+            graph_tiers=tuple(int(t) for t in d.get("graph_tiers", ())),
+            additive=None if add is None else AdditiveCost(
+                float(add["bias"]), tuple(add["bs_knots"]), tuple(add["alpha"]),
+                tuple(add["m_knots"]), tuple(add["theta"])))
+
+    def save(self, path) -> None:
+        """Add (or replace) this table in a JSON file that maps `key` -> table."""
+        path = Path(path)
+        tables = json.loads(path.read_text()) if path.exists() else {}
+        tables[self.key] = self.to_json()
+        path.write_text(json.dumps(tables, indent=1))
+
+    @classmethod
+    def load(cls, path, model_name: str, dtype: str, device: str,
+             graph_tiers: Sequence[int] = ()) -> "CostTable | None":
+        """The table stored under this key in `path`, or None if the file or key is absent."""
+        path = Path(path)
+        if not path.exists():
+            return None
+        key = cls(model_name=model_name, dtype=dtype, device=device, graph_tiers=tuple(graph_tiers)).key
+        d = json.loads(path.read_text()).get(key)
+        return None if d is None else cls.from_json(d)
+
+
+def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequence[int],
+                      extra_tokens: Sequence[int] | Callable[[int], Sequence[int]],
+                      repeats: int = DEFAULT_REPEATS, timer: Callable[[], float] = time.perf_counter,
+                      warmup: int = DEFAULT_WARMUP, model_name: str = "", dtype: str = "",
+                      device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True) -> CostTable:
+    """Time run_step(bs, K) on a (bs, K) staircase; medians, forced monotone, additive fit.
+
+    run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
+    until it has finished (e.g. end with torch.cuda.synchronize()), otherwise the timer measures
+    the launch only. extra_tokens is a list of K, or a function bs -> list of K (e.g. K <= bs*gamma).
+    """
+    from tqdm.auto import tqdm
+
+    grid = [(b, k) for b in batch_sizes
+            for k in (extra_tokens(b) if callable(extra_tokens) else extra_tokens)]
+    raw: dict[tuple[int, int], float] = {}
+    for b, k in tqdm(grid, desc="profiling step cost", disable=not verbose):
+        for _ in range(warmup):
+            run_step(b, k)
+        times = []
+        for _ in range(repeats):
+            t0 = timer()
+            run_step(b, k)
+            times.append(timer() - t0)
+        raw[(b, k)] = statistics.median(times)
+    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers))
+    table.fit_additive()
+    if verbose:
+        print(table.format_fit())
+    return table
+
+
+# =============================================================================================
+# Algorithm 1 (synchronous, lossless by early stop)
+# =============================================================================================
+
+def descending_cells(surv: Sequence[Sequence[float]]) -> list[tuple[int, int, float]]:
+    """Cells (r, k, a) with a > 0, 1-based k, sorted by (-a, k, r): the scheduler's total order."""
+    cells = [(r, k + 1, float(a)) for r, row in enumerate(surv) for k, a in enumerate(row) if a > 0]
+    return sorted(cells, key=lambda c: (-c[2], c[1], c[0]))
+
+
+def algorithm1(conf, sps: Callable[[int], float]) -> torch.Tensor:
+    """Paper Algorithm 1: windows [R] (int64, CPU) from conditional confidences conf [R, gamma].
+
+    Admits cells in descending survival order while Theta = tau * SPS(B) strictly improves;
+    stops at the first non-improvement (that stop is what keeps it lossless, App. A).
+    """
+    c = torch.as_tensor(conf, dtype=torch.float64).cpu().clamp(0.0, 1.0)
+    R = c.shape[0]
+    windows = [0] * R
+    best_windows = list(windows)
+    tau, batch = float(R), R
+    best = tau * sps(batch)
+    for r, k, a in descending_cells(torch.cumprod(c, dim=1).tolist()):
+        windows[r] = k
+        tau, batch = tau + a, batch + 1
+        theta = tau * sps(batch)
+        if theta <= best:
+            break
+        best, best_windows = theta, list(windows)
+    return torch.tensor(best_windows, dtype=torch.int64)
+
+
+# =============================================================================================
+# production: budget from lagged confidences (host), windows from fresh ones (device)
+# =============================================================================================
+
+def _step_time_curve(step_time, bs: int, k_max: int) -> np.ndarray:
+    if isinstance(step_time, CostTable):
+        return step_time.curve(bs, k_max)
+    return np.array([step_time(bs, k) for k in range(k_max + 1)], dtype=np.float64)
+
+
+def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, int], float],
+                       min_gain: float = DEFAULT_MIN_GAIN,
+                       survival_eps: float = DEFAULT_SURVIVAL_EPS) -> int:
+    """Number K of draft tokens to verify this step (0 <= K <= R*gamma), from lagged survivals.
+
+    Global search (no early stop; the lag makes it causal): K* = argmax_K Theta(K) with
+    Theta(K) = (R + sum of the K largest lagged survivals) / T(R, K); ties go to the smaller K.
+    Guard: K* is returned only if Theta(K*) > (1 + min_gain) * Theta(R*gamma); otherwise the
+    full budget R*gamma (trimming must promise a clear win, since a wrong trim costs accepted
+    tokens and the cost model is only a model). A step cost that does not vary with K (flat
+    table) also returns the full budget.
+    """
+    s = torch.as_tensor(survival_lagged, dtype=torch.float64).cpu()
+    R, gamma = s.shape
+    full = R * gamma
+    if full == 0:
+        return 0
+    vals = torch.sort(torch.where(s >= survival_eps, s, 0.0).flatten(), descending=True).values
+    tau = R + np.concatenate([[0.0], np.cumsum(vals.numpy())])
+    times = _step_time_curve(step_time, R, full)
+    if times.max() - times.min() <= 0.0:
+        return full
+    theta = tau / times
+    k_best = int(np.argmax(theta))
+    return k_best if theta[k_best] > (1.0 + min_gain) * theta[full] else full
+
+
+def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
+    """Windows [R] (int64, on conf's device): row counts of the top-`budget` survival cells.
+
+    survival = cumprod(conf); cells are ordered by survival descending, then position
+    ascending, then request ascending (a stable descending sort over a position-major
+    flattening); the first `budget` cells with positive survival are admitted. No host sync:
+    `budget` is a host int and every other step stays on the device.
+    """
+    a = torch.cumprod(conf_current.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
+    R, gamma = a.shape
+    k = max(0, min(int(budget), R * gamma))
+    flat = a.t().reshape(-1)                       # index = position * R + request
+    order = torch.sort(flat, descending=True, stable=True).indices[:k]
+    admitted = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, order, True) & (flat > 0)
+    return admitted.view(gamma, R).sum(0)
+
+
+class ConfidenceRelay:
+    """Ring of past conditional confidences per request slot, stamped with step and generation.
+
+    `push(step, ...)` stores this step's confidences; `lagged(..., step=n)` returns the
+    survivals pushed at step n - lag for each slot whose stamp and generation id still match,
+    and survival 1.0 otherwise (slot never pushed, not pushed at n - lag, or reused by a newer
+    request). Memory: (lag + 1) * max_slots * gamma floats on the host.
+    """
+
+    def __init__(self, max_slots: int, gamma: int, lag: int = DEFAULT_LAG):
+        if lag < 1:
+            raise ValueError("lag must be >= 1 (lag 0 would let a draft decide its own admission)")
+        self.max_slots, self.gamma, self.lag = max_slots, gamma, lag
+        depth = lag + 1
+        self.conf = torch.ones(depth, max_slots, gamma)
+        self.stamp = torch.full((depth, max_slots), -1, dtype=torch.int64)
+        self.generation = torch.full((depth, max_slots), -1, dtype=torch.int64)
+
+    def push(self, step: int, slot_ids, generation_ids, conf) -> None:
+        """Record conf [R, gamma] (copied to the host) for slots at `step`."""
+        row = step % (self.lag + 1)
+        slots = torch.as_tensor(slot_ids, dtype=torch.int64).cpu()
+        self.conf[row, slots] = torch.as_tensor(conf).detach().to("cpu", torch.float32)
+        self.stamp[row, slots] = step
+        self.generation[row, slots] = torch.as_tensor(generation_ids, dtype=torch.int64).cpu()
+
+    def lagged(self, slot_ids, generation_ids, step: int) -> torch.Tensor:
+        """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
+        slots = torch.as_tensor(slot_ids, dtype=torch.int64).cpu()
+        src = step - self.lag
+        if src < 0:
+            return torch.ones(len(slots), self.gamma)
+        row = src % (self.lag + 1)
+        ok = (self.stamp[row, slots] == src) & \
+             (self.generation[row, slots] == torch.as_tensor(generation_ids, dtype=torch.int64).cpu())
+        conf = torch.where(ok.unsqueeze(1), self.conf[row, slots], torch.ones(()))
+        return torch.cumprod(conf, dim=1)
+
+
+@dataclass
+class SchedulePlan:
+    """What the runner needs for one verify step.
+
+    budget: admitted draft tokens (host int; windows sum to at most this).
+    windows: int64 [R] on the device of the confidences; request r verifies its anchor and
+        drafts 1..windows[r] (cap-accept: verifies all gamma, commits at most windows[r]).
+    verify_tokens: rows the target computes, known on the host: R + budget (compact) or
+        R * (1 + gamma) (static, cap-accept); the runner sizes its graph tier from it.
+    predicted_step_time: seconds per the cost table, nan without one.
+    """
+    step: int
+    mode: str
+    budget: int
+    windows: torch.Tensor
+    verify_tokens: int
+    predicted_step_time: float
+
+
+class CostScheduler:
+    """The production scheduler: relay + lagged budget + fresh top-K allocation.
+
+    mode "static": every request verifies gamma drafts. "compact": lagged budget, top-K windows,
+    the target computes R + budget rows. "cap-accept": the same windows, but the target verifies
+    full blocks (a measurement mode exposing the untrimmed ceiling). Without a cost table, or
+    with a flat one, a non-static mode falls back to static and warns once per scheduler.
+    """
+
+    def __init__(self, gamma: int, max_slots: int, mode: str = "static",
+                 cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
+                 min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
+        self.min_gain, self.survival_eps = min_gain, survival_eps
+        self.relay = ConfidenceRelay(max_slots, gamma, lag)
+        self.next_step = 0
+        self._can_trim = (cost_table is not None and bool(cost_table.measurements)
+                          and not cost_table.is_flat())
+        self._warned = False
+
+    def effective_mode(self) -> str:
+        """The mode actually used: static when trimming has no cost table to stand on."""
+        if self.mode == "static":
+            return "static"
+        if not self._can_trim:
+            if not self._warned:
+                warnings.warn(f"verify_mode={self.mode!r} needs a profiled, non-flat cost table; "
+                              "verifying full blocks (static) instead", stacklevel=3)
+                self._warned = True
+            return "static"
+        return self.mode
+
+    def _predict(self, bs: int, k: int) -> float:
+        if self.cost_table is None or not self.cost_table.measurements:
+            return float("nan")
+        return self.cost_table.predict(bs, k)
+
+    def plan(self, slot_ids, generation_ids, conf_current: torch.Tensor, *,
+             step: int | None = None, record: bool = True) -> SchedulePlan:
+        """Plan one verify step for the R requests given by slot_ids / generation_ids.
+
+        conf_current: [R, gamma] calibrated conditional confidences of this step's drafts (any
+        device). step defaults to an internal counter. With record=True the confidences are
+        pushed into the relay after planning (a device->host copy); an overlapped loop passes
+        record=False and calls `record` itself once the confidences are on the host.
+        """
+        if not len(slot_ids) == len(generation_ids) == conf_current.shape[0]:
+            raise ValueError("slot_ids, generation_ids and conf_current must have one entry per request")
+        step = self.next_step if step is None else step
+        self.next_step = step + 1
+        R, full = conf_current.shape[0], conf_current.shape[0] * self.gamma
+        mode = self.effective_mode()
+        if mode == "static":
+            windows = torch.full((R,), self.gamma, dtype=torch.int64, device=conf_current.device)
+            plan = SchedulePlan(step, mode, full, windows, R + full, self._predict(R, full))
+        else:
+            lagged = self.relay.lagged(slot_ids, generation_ids, step)
+            budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
+            windows = allocate_windows_topk(conf_current, budget)
+            verified = budget if mode == "compact" else full
+            plan = SchedulePlan(step, mode, budget, windows, R + verified, self._predict(R, verified))
+        if record:
+            self.record(step, slot_ids, generation_ids, conf_current)
+        return plan
+
+    def record(self, step: int, slot_ids, generation_ids, conf) -> None:
+        """Push a step's confidences into the relay (used by `plan(record=True)`)."""
+        self.relay.push(step, slot_ids, generation_ids, conf)
+
+
+# =============================================================================================
+# block-accept ceiling: what a full-block verify would have accepted, despite trimming
+# =============================================================================================
+
+def wilson_interval(successes: int, n: int, z: float = DEFAULT_WILSON_Z) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion; (0, 1) when n == 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class CeilingEstimate:
+    """Full-block acceptance ceiling and how much of it trimming delivered.
+
+    Units are committed tokens per step (accepted drafts + 1 bonus).
+    ceiling: 1 + sum_k S_k, S_k = prod_{i<=k} p_i (Kaplan-Meier style); nan if some position
+        has never been observed. [lo, hi]: the same sum with each p_i at its Wilson bound.
+    delivered: mean committed tokens per step actually obtained.
+    utilisation: delivered / ceiling (share of the full-block acceptance kept by trimming).
+    window_ratio: (mean window + 1) / ceiling (verify rows spent per token the ceiling offers).
+    """
+    ceiling: float
+    lo: float
+    hi: float
+    conditional: list[float]
+    at_risk: list[int]
+    records: int
+    delivered: float
+    mean_window: float
+    utilisation: float
+    window_ratio: float
+
+
+class BlockAcceptEstimator:
+    """Estimates the acceptance a full-block verify would have had, from trimmed steps.
+
+    Each record is one request-step: the window verified, the drafts accepted, and optionally
+    `remainder`, the counterfactual verdicts for the trimmed positions window+1.. (obtained later
+    by comparing those drafts with what the target produced there, e.g. argmax agreement or a
+    rejection test on the target's logprobs). A position is *observed* when every earlier draft
+    was accepted and its own verdict is known; positions after a rejection are not at risk, and
+    positions after the last known verdict of a fully accepted window are censored.
+    Per position k: p_k = accepted_k / at_risk_k; the ceiling is the expected committed length
+    1 + sum_k prod_{i<=k} p_i. Honest caveats: censoring by the scheduler is informative (it
+    trims where confidence is low), so without remainders p_k at deep positions is biased up;
+    the [lo, hi] band multiplies per-position Wilson bounds, which is a plug-in band, not a joint
+    confidence interval. Memory: a sliding window of `max_records` records.
+    """
+
+    def __init__(self, gamma: int, max_records: int = DEFAULT_CEILING_RECORDS,
+                 z: float = DEFAULT_WILSON_Z):
+        self.gamma, self.z = gamma, z
+        self._records: deque = deque()
+        self.max_records = max_records
+        self.at_risk = [0] * gamma
+        self.accepted = [0] * gamma
+        self._sum_delivered = 0
+        self._sum_window = 0
+
+    def _chain(self, window: int, accepted: int, remainder) -> list[bool]:
+        """Observed verdicts for positions 1.. (stops after the first rejection or unknown)."""
+        if not 0 <= accepted <= window <= self.gamma:
+            raise ValueError(f"need 0 <= accepted <= window <= gamma, got {accepted}, {window}, {self.gamma}")
+        chain = [True] * accepted
+        if accepted < window:
+            return chain + [False]
+        for verdict in list(remainder or [])[: self.gamma - window]:
+            chain.append(bool(verdict))
+            if not verdict:
+                break
+        return chain
+
+    def _apply(self, chain: list[bool], window: int, accepted: int, sign: int) -> None:
+        for k, ok in enumerate(chain):
+            self.at_risk[k] += sign
+            self.accepted[k] += sign * int(ok)
+        self._sum_delivered += sign * (accepted + 1)
+        self._sum_window += sign * window
+
+    def record(self, window: int, accepted: int, remainder: Sequence[bool] | None = None) -> None:
+        """Add one request-step; the oldest record is dropped beyond `max_records`."""
+        chain = self._chain(window, accepted, remainder)
+        self._records.append((chain, window, accepted))
+        self._apply(chain, window, accepted, +1)
+        if len(self._records) > self.max_records:
+            self._apply(*self._records.popleft(), sign=-1)
+
+    def estimate(self) -> CeilingEstimate:
+        n = len(self._records)
+        p = [a / r if r else float("nan") for a, r in zip(self.accepted, self.at_risk)]
+        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted, self.at_risk)]
+
+        def expected_length(probs) -> float:
+            return 1.0 + float(np.sum(np.cumprod(probs))) if len(probs) else 1.0
+
+        ceiling = expected_length(p)
+        delivered = self._sum_delivered / n if n else float("nan")
+        mean_window = self._sum_window / n if n else float("nan")
+        return CeilingEstimate(
+            ceiling=ceiling,
+            lo=expected_length([b[0] for b in bounds]),
+            hi=expected_length([b[1] for b in bounds]),
+            conditional=p, at_risk=list(self.at_risk), records=n,
+            delivered=delivered, mean_window=mean_window,
+            utilisation=delivered / ceiling if n else float("nan"),
+            window_ratio=(mean_window + 1.0) / ceiling if n else float("nan"),
+        )

@@ -1,0 +1,283 @@
+"""DSpark's semi-autoregressive block drafter (paper §2.2, §3.1, §3.2).
+
+Three parts, one forward:
+
+1. **Parallel backbone** (DFlash-style KV injection). The target's hidden states after a few
+   chosen layers are concatenated and projected: `ctx = RMSNorm(fc([h_l1; ...; h_lm]))`. Every
+   draft layer projects `ctx` with its *own* k/v projections ("injection") and caches the result
+   in the drafter's paged KV, one entry per committed target position. A block
+   `[anchor, mask x (gamma-1)]` at positions `a .. a+gamma-1` then runs through the draft layers
+   in one pass: its queries attend to the cached context (positions `< a`, strictly before the
+   anchor) and bidirectionally to the block itself. Every slot is a prediction: slot k predicts
+   the token at `a + k + 1`, so gamma inputs give gamma base logits `U_k` through the target's
+   frozen, shared LM head.
+2. **Markov head** (§3.1, Eq. 5). A low-rank bigram bias `B(x_{k-1}, .) = W2 W1[x_{k-1}]` is added
+   to slot k's base logits while sampling left to right; slot 0 conditions on the anchor. The
+   draft distribution of slot k is therefore an exact softmax given the sampled prefix, which is
+   what lossless rejection sampling needs (verify.py).
+3. **Confidence head** (§3.2, Eq. 7). `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k)`: the
+   probability that draft k survives verification given that the drafts before it did. `T_k`
+   are the Sequential Temperature Scaling temperatures (identity until `calibration.fit_sts`
+   sets them). Cumulative survival `a_k = c_1 ... c_k` feeds the cost scheduler.
+
+Invariants: the drafter's context cache holds, for every committed position `p` of a request, the
+injected K/V of the target features at `p`; the anchor's own features are never in it (the
+anchor has not been through the target yet). The embedding and LM head are the target's
+(frozen, not stored in the drafter checkpoint). `gamma` at serving time equals the trained one.
+Saved as `config.json` + `model.safetensors`, like the target. Walkthrough chapter 05.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import ModelConfig
+from .model import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass
+class DrafterConfig:
+    target_layer_ids: list[int]          # target layers whose outputs feed the context (never the last)
+    hidden_size: int                     # = the target's (shared embedding and LM head)
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    gamma: int = 5                       # block size: gamma input slots, gamma drafts
+    mask_token_id: int = 3               # input id of the masked slots
+    markov_rank: int = 64                # 0 = no Markov head (the DFlash baseline)
+    confidence: bool = True              # False = no confidence head (the DFlash baseline)
+    vocab_size: int = 8192
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    architecture: str = "DSparkDrafter"
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, **kw) -> "DrafterConfig":
+        n = target.num_hidden_layers
+        default_layers = sorted({max(0, n // 4), n // 2, n - 2}) if n > 2 else [0]
+        kw.setdefault("target_layer_ids", default_layers)
+        return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
+                   num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                   vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta, **kw)
+
+    def attention_config(self) -> ModelConfig:
+        """A target-style config for the draft layers (all full attention, dense MLP)."""
+        return ModelConfig(architecture="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm decoder layer whose attention also sees the injected context K/V."""
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def context_kv(self, ctx: torch.Tensor, cos, sin):
+        """Injection: this layer's k/v projections of the context features (no input norm)."""
+        a = self.self_attn
+        k = a.k_proj(ctx).view(ctx.shape[0], a.n_kv, a.head_dim)
+        v = a.v_proj(ctx).view(ctx.shape[0], a.n_kv, a.head_dim)
+        if a.k_norm is not None:
+            k = a.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, attend):
+        a = self.self_attn
+        q, k, v = a.qkv(self.input_layernorm(x), cos, sin)
+        o = attend(a.layer_idx, q, k, v, a.scale)
+        x = x + a.o_proj(o.reshape(x.shape[0], -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Draft:
+    """One drafting pass over R requests."""
+    tokens: torch.Tensor          # [R, gamma] sampled draft tokens
+    probs: torch.Tensor | None    # [R, gamma, V] the Markov-corrected draft distributions (None if greedy-only)
+    conf_logits: torch.Tensor     # [R, gamma] raw confidence logits z_k (before STS)
+    confidence: torch.Tensor      # [R, gamma] calibrated conditional confidences c_k
+    survival: torch.Tensor = field(init=False)  # [R, gamma] cumulative products a_k
+
+    def __post_init__(self):
+        self.survival = torch.cumprod(self.confidence, dim=-1)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        self.config = cfg
+        acfg = cfg.attention_config()
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(acfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.markov_rank:
+            self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+            self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+            nn.init.zeros_(self.markov_w2.weight)  # starts as the plain DFlash drafter
+        if cfg.confidence:
+            self.confidence_head = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        self.register_buffer("sts_temperature", torch.ones(cfg.gamma))
+        # Shared with the target and frozen; kept out of state_dict() by _shared.
+        self._shared = (embed, lm_head)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared[1]
+
+    # -- the three parts ---------------------------------------------------------------------
+    def context_features(self, captured: list[torch.Tensor]) -> torch.Tensor:
+        return self.hidden_norm(self.fc(torch.cat(captured, dim=-1)))
+
+    def backbone(self, block_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Block tokens [N] at positions [N] -> final hidden states [N, H]."""
+        x = self.embed(block_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self.norm(x)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
+        return self.markov_w2(self.markov_w1(prev)).float() if self.config.markov_rank else 0.0
+
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        if not self.config.confidence:
+            return torch.zeros(h.shape[:-1], device=h.device)
+        feats = [h] + ([self.markov_w1(prev)] if self.config.markov_rank else [])
+        return self.confidence_head(torch.cat(feats, dim=-1)).squeeze(-1).float()
+
+    # -- inference ---------------------------------------------------------------------------
+    def inject(self, captured: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+               cache: torch.Tensor) -> None:
+        """Store the context K/V of committed positions. cache: [L, 2, blocks, bs, Hkv, D]."""
+        keep = slots >= 0
+        if not bool(keep.any()):
+            return
+        feats = self.context_features([c[keep] for c in captured])
+        cos, sin = rope_cos_sin(positions[keep], self.config.head_dim, self.config.rope_theta, feats.dtype)
+        flat = cache.view(cache.shape[0], 2, -1, cache.shape[-2], cache.shape[-1])
+        s = slots[keep]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(feats, cos, sin)
+            flat[i, 0, s] = k.to(cache.dtype)
+            flat[i, 1, s] = v.to(cache.dtype)
+
+    @torch.inference_mode()
+    def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
+                block_tables: torch.Tensor, block_size: int, sample_fn) -> Draft:
+        """One drafting pass for R requests whose context is cached up to `anchor_pos` (exclusive).
+
+        sample_fn(row_logits [R, V], k) -> (tokens [R], probs [R, V] or None) applies each
+        request's sampling rule to slot k's Markov-corrected logits."""
+        R, g = anchors.shape[0], self.config.gamma
+        dev = anchors.device
+        ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors
+        pos = anchor_pos[:, None] + torch.arange(g, device=dev)[None, :]
+        attend = BlockAttention(cache, block_tables, anchor_pos, block_size, g)
+        h = self.backbone(ids.reshape(-1), pos.reshape(-1), attend).view(R, g, -1)
+        base = self.lm_head(h).float()
+        prev, toks, probs, zs = anchors, [], [], []
+        for k in range(g):  # the sequential stage: cheap, one bigram bias per slot
+            logits = base[:, k] + self.markov_bias(prev)
+            zs.append(self.confidence_logit(h[:, k], prev))
+            t, p = sample_fn(logits, k)
+            toks.append(t)
+            probs.append(p)
+            prev = t
+        z = torch.stack(zs, 1)
+        conf = torch.sigmoid(z / self.sts_temperature[None, :])
+        return Draft(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), z, conf)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2))
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | Path, target: nn.Module, device="cpu", dtype=torch.float32) -> "Drafter":
+        path = Path(path)
+        if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+            raise FileNotFoundError(f"{path} is not a drafter checkpoint (config.json + model.safetensors)")
+        cfg = DrafterConfig(**json.loads((path / "config.json").read_text()))
+        tc = target.config
+        if cfg.hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
+            raise ValueError(f"drafter {path} was built for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
+                             f"the target has {tc.hidden_size} / {tc.vocab_size}")
+        if max(cfg.target_layer_ids) >= tc.num_hidden_layers - 1:
+            raise ValueError("the drafter reads a target layer the target does not have (or its last layer)")
+        d = cls(cfg, target.model.embed_tokens, target.lm_head)
+        state = load_file(str(path / "model.safetensors"))
+        missing, unexpected = d.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
+        return d.to(device=device, dtype=dtype).eval()
+
+
+class BlockAttention:
+    """Attention of the gamma block queries of R requests: over each request's cached context
+    (positions < anchor_pos, read through its block table) and, bidirectionally, over the
+    block's own keys. Plain torch; the context is gathered per request."""
+
+    def __init__(self, cache, block_tables, anchor_pos, block_size, gamma):
+        self.cache, self.bt, self.bs, self.g = cache, block_tables, block_size, gamma
+        self.ctx_lens = anchor_pos.tolist()
+
+    def __call__(self, layer: int, q, k, v, scale: float):
+        g, out = self.g, torch.empty_like(q)
+        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]
+        group = q.shape[1] // k.shape[1]
+        for r, n in enumerate(self.ctx_lens):
+            rows = slice(r * g, (r + 1) * g)
+            nb = (n + self.bs - 1) // self.bs
+            blocks = self.bt[r, :nb].long()
+            kc = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+            vc = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
+            kk = torch.cat([kc.to(k.dtype), k[rows]]).repeat_interleave(group, dim=1)
+            vv = torch.cat([vc.to(v.dtype), v[rows]]).repeat_interleave(group, dim=1)
+            att = torch.einsum("qhd,khd->hqk", q[rows].float(), kk.float()) * scale
+            out[rows] = torch.einsum("hqk,khd->qhd", att.softmax(-1), vv.float()).to(q.dtype)
+        return out
+
+
+def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], n_ctx: int,
+                       anchors: torch.Tensor, gamma: int):
+    """Attention for training (train_heads.py): A blocks of one sequence, block b may attend the
+    context positions `< anchors[b]` and its own gamma slots (bidirectional)."""
+    A = anchors.shape[0]
+    dev = anchors.device
+    ctx_ok = torch.arange(n_ctx, device=dev)[None, :] < anchors[:, None]            # [A, S]
+    blk = torch.arange(A, device=dev).repeat_interleave(gamma)
+    own = blk[:, None] == blk[None, :]                                            # [A*g, A*g]
+    mask = torch.cat([ctx_ok.repeat_interleave(gamma, 0), own], dim=1)            # [A*g, S + A*g]
+
+    def attend(layer, q, k, v, scale):
+        kk = torch.cat([ctx_k[layer], k]).transpose(0, 1)[None]
+        vv = torch.cat([ctx_v[layer], v]).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1)
+    return attend

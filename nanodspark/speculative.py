@@ -1,0 +1,165 @@
+"""The speculative step: draft -> choose windows -> verify -> commit (paper §3, Fig. 1).
+
+`SpecDecoder.step` replaces the plain forward-and-sample of a step. For every request that is
+decoding, the drafter proposes a block of gamma tokens with confidences; the cost scheduler turns
+the confidences into a per-request verify window; the target runs one ragged forward in which
+prefill chunks and verify windows `[anchor, d_1 .. d_w]` sit side by side; `verify.py` accepts a
+prefix of each window and adds the correction or bonus token; and the target hidden states of
+every newly committed position are injected into the drafter's context cache. The engine then
+applies the commits (engine.py `_apply`), which also rolls back the KV slots of rejected drafts.
+
+Invariants: a request's `num_computed` advances by exactly the rows whose KV is now valid
+(prefill rows, or anchor + accepted drafts); the drafter's context covers exactly the target's
+committed positions; a window never lets a request run past `max_tokens` or `max_model_len`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cost_scheduler import CostScheduler
+from .drafter import Draft, Drafter
+from .paged_kv import BlockManager
+from .runner import Chunk
+from .sampling import target_probs
+from .verify import verify_block
+
+
+@dataclass
+class SpecStepStats:
+    """What one speculative step did (the engine's metrics aggregate these)."""
+    requests: int = 0
+    verified: int = 0            # draft tokens verified (sum of windows)
+    accepted: int = 0
+    committed: int = 0
+    windows: list[int] = field(default_factory=list)
+    ceilings: list[int] = field(default_factory=list)   # cap-accept only
+
+
+class SpecDecoder:
+    def __init__(self, drafter: Drafter, manager: BlockManager, cache: torch.Tensor, mode: str,
+                 cost_scheduler: CostScheduler | None = None, max_slots: int = 1024):
+        self.drafter, self.manager, self.cache, self.mode = drafter, manager, cache, mode
+        self.gamma = drafter.config.gamma
+        self.capture = tuple(drafter.config.target_layer_ids)
+        self.scheduler = cost_scheduler or CostScheduler(self.gamma, max_slots, mode="static")
+        self.window_fn = None          # tests may force windows: fn(requests, draft) -> list[int]
+        self.slots: dict[str, tuple[int, int]] = {}   # request id -> (slot, generation)
+        self.free_slots = list(range(max_slots))[::-1]
+        self.generation = [0] * max_slots
+        self.position_trials = [0] * self.gamma      # verified drafts at position k
+        self.position_accepts = [0] * self.gamma     # ... of which accepted
+        self.last = SpecStepStats()
+
+    # -- slots for the confidence relay ------------------------------------------------------
+    def slot_of(self, req) -> tuple[int, int]:
+        if req.request_id not in self.slots:
+            s = self.free_slots.pop()
+            self.generation[s] += 1
+            self.slots[req.request_id] = (s, self.generation[s])
+        return self.slots[req.request_id]
+
+    def release(self, req) -> None:
+        s = self.slots.pop(req.request_id, None)
+        if s is not None:
+            self.free_slots.append(s[0])
+
+    # -- draft ----------------------------------------------------------------------------
+    def draft(self, reqs) -> Draft:
+        dev = self.cache.device
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=dev)
+        pos = torch.tensor([r.num_computed for r in reqs], device=dev)
+        tables = [r.tables["draft"].blocks for r in reqs]
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        params = [r.params for r in reqs]
+        gens = [r.generator for r in reqs]
+
+        def sample_fn(logits, k):
+            probs = target_probs(logits, params)
+            toks = [int(probs[i].argmax()) if p.greedy else int(torch.multinomial(probs[i], 1, generator=gens[i]))
+                    for i, p in enumerate(params)]
+            return torch.tensor(toks, device=logits.device), probs
+        return self.drafter.propose(anchors, pos, self.cache, bt, self.manager.block_size, sample_fn)
+
+    def windows(self, reqs, draft: Draft) -> list[int]:
+        if self.window_fn is not None:
+            return list(self.window_fn(reqs, draft))
+        if self.mode == "static":
+            return [self.gamma] * len(reqs)
+        ids = [self.slot_of(r) for r in reqs]
+        plan = self.scheduler.plan(torch.tensor([i[0] for i in ids]), torch.tensor([i[1] for i in ids]),
+                                   draft.confidence)
+        return plan.windows.tolist()
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, eng, plan):
+        pre = [(r, n) for r, n in plan if not r.is_decoding]
+        dec = [r for r, _ in plan if r.is_decoding]
+        chunks = [eng.chunk_of(r, n) for r, n in pre]
+        draft = self.draft(dec) if dec else None
+        limits, wins = [], []
+        if dec:
+            for r, w in zip(dec, self.windows(dec, draft)):
+                room = min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.num_tokens) - 1
+                n_ver = min(w if self.mode == "compact" else self.gamma, room)
+                limits.append(n_ver)
+                wins.append(min(w, n_ver))
+                chunks.append(Chunk(r.tables, r.num_computed, [r.all_ids[-1]] + draft.tokens[len(wins) - 1, :n_ver].tolist(),
+                                    "all", r.replay_until, r.kv_start))
+        res = eng.runner.forward(chunks, capture_layers=self.capture)
+        starts = [c.start for c in chunks]
+        commits = eng.sample_commits(pre, chunks[:len(pre)], res.logits, res.logit_offsets)
+        committed_rows = [len(c.token_ids) for c in chunks[:len(pre)]]
+        stats = SpecStepStats(requests=len(dec))
+        for i, r in enumerate(dec):
+            j = len(pre) + i
+            lo, hi = res.logit_offsets[j], res.logit_offsets[j + 1]
+            probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
+            n_ver = limits[i]
+            vr = verify_block(draft.tokens[i, :n_ver], probs, None if draft.probs is None else draft.probs[i, :n_ver],
+                              wins[i], self.mode, r.params.greedy, r.generator)
+            self._count(r, vr, wins[i], n_ver, stats)
+            r.num_computed += 1 + vr.accepted
+            committed_rows.append(1 + vr.accepted)
+            commits.append((r, vr.tokens))
+        self._inject(chunks, starts, committed_rows, res)
+        self.last = stats
+        return commits
+
+    def _count(self, r, vr, window, n_ver, stats: SpecStepStats) -> None:
+        verified = window if self.mode != "static" else n_ver
+        r.spec.steps += 1
+        r.spec.drafted += self.gamma
+        r.spec.verified += verified
+        r.spec.accepted += vr.accepted
+        r.spec.committed += vr.accepted + 1
+        stats.verified += verified
+        stats.accepted += vr.accepted
+        stats.committed += vr.accepted + 1
+        stats.windows.append(verified)
+        if vr.ceiling is not None:
+            stats.ceilings.append(vr.ceiling)
+        for k in range(min(vr.accepted + 1, verified)):
+            self.position_trials[k] += 1
+            self.position_accepts[k] += int(k < vr.accepted)
+
+    def _inject(self, chunks, starts, committed_rows, res) -> None:
+        """Context K/V for every newly committed position (rows [0, committed) of each chunk)."""
+        rows, positions, slots = [], [], []
+        bs = self.manager.block_size
+        for i, c in enumerate(chunks):
+            table = c.tables["draft"].blocks
+            for k in range(committed_rows[i]):
+                p = starts[i] + k
+                rows.append(res.cu_seqlens[i] + k)
+                positions.append(p)
+                slots.append(-1 if p < c.replay_until else table[p // bs] * bs + p % bs)
+        if not rows:
+            return
+        dev = self.cache.device
+        idx = torch.tensor(rows, device=dev)
+        self.drafter.inject([h[idx] for h in res.captured], torch.tensor(positions, device=dev),
+                            torch.tensor(slots, device=dev), self.cache)

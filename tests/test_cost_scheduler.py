@@ -1,0 +1,455 @@
+"""Tests of nanodspark/cost_scheduler.py: Algorithm 1 (incl. the paper's Appendix A
+counterexample, computed exactly), top-K allocation properties, the lagged budget, the relay,
+the cost table, the scheduler modes and the block-accept ceiling.
+(Paper §3.2.2, App. A, §5.2; walkthrough chapter 07.)"""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from nanodspark.cost_scheduler import (
+    BlockAcceptEstimator, ConfidenceRelay, CostScheduler, CostTable, algorithm1,
+    allocate_windows_topk, budget_from_lagged, descending_cells, force_monotone,
+    profile_step_cost, wilson_interval,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1
+# ---------------------------------------------------------------------------------------------
+
+def test_algorithm1_hand_example():
+    # survivals: r0 = (0.9, 0.45), r1 = (0.6, 0.3); order 0.9, 0.6, 0.45, 0.3
+    conf = [[0.9, 0.5], [0.6, 0.5]]
+    sps = {2: 10.0, 3: 9.5, 4: 9.0, 5: 7.0, 6: 6.5}.__getitem__
+    # Theta: B=2 -> 20 ; +0.9 -> 2.9*9.5 = 27.55 ; +0.6 -> 3.5*9 = 31.5 ; +0.45 -> 3.95*7 = 27.65 stop
+    assert algorithm1(conf, sps).tolist() == [1, 1]
+
+
+def test_algorithm1_stops_at_first_non_improvement():
+    # Theta(B): 1*1 = 1, then 2*0.4 = 0.8 (drop -> stop), although B=4 would give 4*1 = 4
+    sps = {1: 1.0, 2: 0.4, 3: 1.0, 4: 1.0}.__getitem__
+    assert algorithm1([[1.0, 1.0, 1.0]], sps).tolist() == [0]
+
+
+def test_algorithm1_tie_break_lower_position_then_request():
+    sps = {2: 1.0, 3: 0.9, 4: 0.5, 5: 0.1, 6: 0.1}.__getitem__
+    # all survivals 1: order (r0,k1), (r1,k1), (r0,k2), ... ; B=3 improves (2.7 > 2), B=4 does not
+    assert algorithm1([[1.0, 1.0], [1.0, 1.0]], sps).tolist() == [1, 0]
+    assert [(r, k) for r, k, _ in descending_cells([[1, 1], [1, 1]])] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def test_algorithm1_skips_zero_survival_and_admits_all_when_free():
+    sps = lambda b: 1.0                                    # noqa: E731 - a flat SPS: every token pays
+    assert algorithm1([[0.5, 0.0, 0.9], [1.0, 1.0, 1.0]], sps).tolist() == [1, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Appendix A: retrospective global argmax over current confidences is not lossless
+# ---------------------------------------------------------------------------------------------
+
+P_TARGET = np.array([0.7, 0.3])      # target distribution of the first token (tokens A, B)
+P_DRAFT = np.array([0.5, 0.5])       # draft distribution of the first token
+C1 = 0.8                             # confidence of position 1 (does not depend on x_1)
+C2 = {0: 0.9, 1: 0.1}                # confidence of position 2 depends on x_1 (Markov feature)
+SPS = {1: 1.0, 2: 0.5, 3: 0.45}
+
+
+def first_token_distribution(window_of) -> np.ndarray:
+    """Exact law of the first committed token when the window depends on (conf, x_1).
+
+    window_of(conf [1, 2], x1) -> window. If the window is 0 the target samples the token
+    itself (the bonus); otherwise x_1 is verified by speculative sampling: accepted with
+    min(1, p_t/p_d), else replaced by a sample of norm(max(0, p_t - p_d)).
+    """
+    residual = np.maximum(P_TARGET - P_DRAFT, 0.0)
+    residual /= residual.sum()
+    out = np.zeros(2)
+    for x1 in (0, 1):
+        conf = torch.tensor([[C1, C2[x1]]])
+        if window_of(conf, x1) == 0:
+            out += P_DRAFT[x1] * P_TARGET
+        else:
+            accept = min(1.0, P_TARGET[x1] / P_DRAFT[x1])
+            out += P_DRAFT[x1] * (accept * np.eye(2)[x1] + (1 - accept) * residual)
+    return out
+
+
+def retrospective_global_argmax(conf) -> int:
+    """Window of a single request chosen by the global argmax of Theta over all prefixes."""
+    a = torch.cumprod(conf[0].double(), 0).tolist()
+    thetas = [(1 + sum(a[:w])) * SPS[1 + w] for w in range(len(a) + 1)]
+    return int(np.argmax(thetas))
+
+
+def test_appendix_a_counterexample_exact():
+    # the setting is the one that makes trimming matter: Theta(0)=1.0, Theta(1)=0.9,
+    # Theta(2)=(1.8 + 0.8*c2)*0.45, which beats 1.0 iff c2 > 0.528 -- i.e. iff x_1 = A
+    assert retrospective_global_argmax(torch.tensor([[C1, C2[0]]])) == 2
+    assert retrospective_global_argmax(torch.tensor([[C1, C2[1]]])) == 0
+
+    # 1) global argmax over *current* confidences: x_1 = A is always admitted (and accepted),
+    #    x_1 = B never is -> the output is skewed towards A
+    skewed = first_token_distribution(lambda conf, x1: retrospective_global_argmax(conf))
+    assert skewed == pytest.approx([0.85, 0.15])
+
+    # the same leak through the production functions fed with current (not lagged) survivals
+    def leaky(conf, x1):
+        k = budget_from_lagged(torch.cumprod(conf, 1), lambda bs, k: 1.0 / SPS[bs + k], min_gain=0.0)
+        return int(allocate_windows_topk(conf, k)[0])
+    assert first_token_distribution(leaky) == pytest.approx([0.85, 0.15])
+
+    # 2) Algorithm 1 with its early stop: Theta drops at the first admission, so x_1 is never
+    #    used to decide its own admission and the target law is kept
+    assert algorithm1(torch.tensor([[C1, C2[0]]]), SPS.__getitem__).tolist() == [0]
+    causal = first_token_distribution(lambda conf, x1: int(algorithm1(conf, SPS.__getitem__)[0]))
+    assert causal == pytest.approx([0.7, 0.3])
+
+    # 3) production: the budget comes from lagged confidences (independent of x_1); for any such
+    #    budget the fresh top-K admits x_1 iff a_1 is in the top K, which x_1 cannot change
+    for budget in (0, 1, 2):
+        law = first_token_distribution(lambda conf, x1: int(allocate_windows_topk(conf, budget)[0]))
+        assert law == pytest.approx([0.7, 0.3])
+
+
+# ---------------------------------------------------------------------------------------------
+# top-K allocation
+# ---------------------------------------------------------------------------------------------
+
+conf_values = st.one_of(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.floats(0.0, 1.0))
+
+
+@st.composite
+def conf_and_budget(draw):
+    R, gamma = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    conf = torch.tensor(draw(st.lists(st.lists(conf_values, min_size=gamma, max_size=gamma),
+                                      min_size=R, max_size=R)), dtype=torch.float32)
+    return conf, draw(st.integers(0, R * gamma + 3))
+
+
+def brute_force_top_k(conf, budget):
+    """The admitted set by definition: first `budget` positive cells in (-a, k, r) order."""
+    a = torch.cumprod(conf, dim=1).tolist()               # same float32 arithmetic as the code
+    return {(r, k) for r, k, _ in descending_cells(a)[:budget]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf_and_budget())
+def test_topk_window_iff_in_top_k_and_contiguous(case):
+    conf, budget = case
+    windows = allocate_windows_topk(conf, budget).tolist()
+    top = brute_force_top_k(conf, budget)
+    R, gamma = conf.shape
+    for r in range(R):
+        for k in range(1, gamma + 1):
+            assert (windows[r] >= k) == ((r, k) in top)
+    # the theorem behind it: the top-K set is prefix-closed (contiguous windows)
+    assert all(k == 1 or (r, k - 1) in top for r, k in top)
+    n_positive = int((torch.cumprod(conf, 1) > 0).sum())
+    assert sum(windows) == min(budget, n_positive)
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf_and_budget(), st.data())
+def test_topk_admission_of_x_k_ignores_what_depends_on_x_k(case, data):
+    """Causality: c_{r,k+1..} depend on x_{r,k}; changing them must not change window_r >= k."""
+    conf, budget = case
+    R, gamma = conf.shape
+    r, k = data.draw(st.integers(0, R - 1)), data.draw(st.integers(1, gamma))
+    other = conf.clone()
+    other[r, k:] = torch.tensor(data.draw(st.lists(conf_values, min_size=gamma - k, max_size=gamma - k)))
+    before = allocate_windows_topk(conf, budget)[r] >= k
+    after = allocate_windows_topk(other, budget)[r] >= k
+    assert bool(before) == bool(after)
+
+
+def test_topk_tie_break_examples():
+    ones = torch.ones(2, 2)
+    assert allocate_windows_topk(ones, 1).tolist() == [1, 0]
+    assert allocate_windows_topk(ones, 2).tolist() == [1, 1]
+    assert allocate_windows_topk(ones, 3).tolist() == [2, 1]
+    assert allocate_windows_topk(ones, 99).tolist() == [2, 2]
+    assert allocate_windows_topk(torch.tensor([[0.0, 1.0], [0.5, 1.0]]), 4).tolist() == [0, 2]
+    out = allocate_windows_topk(torch.tensor([[0.9, 0.9]], dtype=torch.bfloat16), 1)
+    assert out.dtype == torch.int64 and out.tolist() == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode")
+def test_topk_on_gpu_matches_cpu_without_host_sync():
+    g = torch.Generator().manual_seed(0)
+    conf = torch.randint(0, 5, (64, 7), generator=g) / 4.0          # many exact ties
+    for budget in (0, 1, 37, 150, 64 * 7):
+        ref = allocate_windows_topk(conf, budget)
+        gpu = conf.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")                     # any device->host sync raises
+        try:
+            out = allocate_windows_topk(gpu, budget)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.device == gpu.device and torch.equal(out.cpu(), ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# budget from lagged survivals
+# ---------------------------------------------------------------------------------------------
+
+def linear_cost(bs, k):
+    return 1.0 + 0.5 * k
+
+
+def test_budget_hand_example_and_min_gain_guard():
+    s = torch.tensor([[0.9, 0.5, 0.1]])
+    # Theta(K) = (1 + cumsum) / (1 + K/2): 1, 1.267, 1.2, 1.0 -> K = 1
+    assert budget_from_lagged(s, linear_cost) == 1
+    assert budget_from_lagged(s, linear_cost, min_gain=0.3) == 3      # 1.267 < 1.3 * 1.0: no trim
+
+
+def test_budget_is_a_global_search():
+    # Theta: 1/1, 2/2.5 = 0.8 (a dip), 3/2.5 = 1.2, 4/10 = 0.4 -> K = 2 (early stop would say 0)
+    times = {0: 1.0, 1: 2.5, 2: 2.5, 3: 10.0}
+    assert budget_from_lagged(torch.ones(1, 3), lambda bs, k: times[k], min_gain=0.0) == 2
+
+
+def test_budget_flat_cost_gives_full_budget():
+    s = torch.full((3, 4), 0.01)
+    assert budget_from_lagged(s, lambda bs, k: 1.0) == 12
+    flat = CostTable({(b, k): 1e-3 for b in (1, 2, 4) for k in (0, 4, 8)})
+    assert flat.is_flat()
+    assert budget_from_lagged(s, flat) == 12
+    assert budget_from_lagged(torch.zeros(0, 4), linear_cost) == 0
+
+
+def test_budget_drops_tiny_survivals():
+    s = torch.tensor([[1e-9, 1e-9]])
+    # with eps, both cells add nothing: K = 0 is the best (cost grows)
+    assert budget_from_lagged(s, linear_cost, min_gain=0.0) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# relay
+# ---------------------------------------------------------------------------------------------
+
+def test_relay_lag_and_generation_guard():
+    relay = ConfidenceRelay(max_slots=4, gamma=2, lag=2)
+    assert torch.equal(relay.lagged([0, 1], [7, 7], step=1), torch.ones(2, 2))   # nothing yet
+    relay.push(0, [0, 1], [7, 8], torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    relay.push(1, [0, 1], [7, 8], torch.tensor([[0.2, 0.2], [0.3, 0.3]]))
+    got = relay.lagged([0, 1, 2], [7, 8, 1], step=2)            # reads step 0
+    assert torch.allclose(got, torch.tensor([[0.5, 0.25], [0.9, 0.09], [1.0, 1.0]]))  # slot 2: missing
+    assert torch.allclose(relay.lagged([1, 0], [8, 7], step=3), torch.tensor([[0.3, 0.09], [0.2, 0.04]]))
+    # slot 1 recycled to a new request (generation 9): its old entry is not trusted
+    assert torch.equal(relay.lagged([1], [9], step=3), torch.ones(1, 2))
+    # slot 0 not pushed at step 2, so at step 4 (reads step 2) it is stale
+    relay.push(2, [1], [8], torch.tensor([[0.5, 0.5]]))
+    assert torch.equal(relay.lagged([0], [7], step=4), torch.ones(1, 2))
+    assert torch.allclose(relay.lagged([1], [8], step=4), torch.tensor([[0.5, 0.25]]))
+    with pytest.raises(ValueError):
+        ConfidenceRelay(4, 2, lag=0)
+
+
+def test_relay_ring_does_not_alias_after_wraparound():
+    relay = ConfidenceRelay(max_slots=1, gamma=1, lag=2)
+    for step in range(10):
+        relay.push(step, [0], [0], torch.tensor([[step / 10]]))
+        if step >= 1:   # planning step + 1 reads step - 1
+            assert relay.lagged([0], [0], step=step + 1).item() == pytest.approx((step - 1) / 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# cost table
+# ---------------------------------------------------------------------------------------------
+
+BIAS = 1e-3
+
+
+def alpha_true(bs):
+    return 5e-5 * (bs - 1)
+
+
+def theta_true(m):
+    return 1e-5 * (m - 1) + 2e-4 * (m > 12)          # a cliff: a graph tier
+
+
+def synthetic_table(noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    meas = {}
+    for bs in (1, 2, 4, 8):
+        for k in (0, 1, 2, 4, 8, 16):
+            t = BIAS + alpha_true(bs) + theta_true(bs + k)
+            meas[(bs, k)] = t * (1 + noise * rng.standard_normal())
+    return CostTable(meas, model_name="tiny", dtype="float32", device="cpu", graph_tiers=(8, 16, 32))
+
+
+def test_cost_table_fit_recovers_bias_alpha_theta():
+    model = synthetic_table().fit_additive()
+    assert model.bias == pytest.approx(BIAS, abs=1e-9)
+    for b, a in zip(model.bs_knots, model.alpha):
+        assert a == pytest.approx(alpha_true(b), abs=1e-9)
+    for m, th in zip(model.m_knots, model.theta):
+        assert th == pytest.approx(theta_true(m) - theta_true(1), abs=1e-9)
+
+
+def test_cost_table_fit_with_noise_predicts_within_tolerance_and_is_monotone():
+    table = synthetic_table(noise=0.01)
+    table.fit_additive()
+    for (bs, k) in table.measurements:
+        assert table.predict(bs, k) == pytest.approx(BIAS + alpha_true(bs) + theta_true(bs + k), rel=0.05)
+    for bs in (1, 3, 8, 12):
+        curve = table.curve(bs, 40)
+        assert np.all(np.diff(curve) >= 0)                 # non-decreasing in K, extrapolates upward
+    for k in (0, 5, 20):
+        assert all(table.predict(b, k) <= table.predict(b + 1, k) for b in range(1, 12))
+    assert not table.is_flat()
+
+
+def test_force_monotone():
+    m = force_monotone({(1, 0): 1.0, (1, 4): 0.9, (2, 0): 0.8, (2, 4): 2.0})
+    assert m == {(1, 0): 1.0, (1, 4): 1.0, (2, 0): 1.0, (2, 4): 2.0}
+
+
+def test_cost_table_json_roundtrip_and_keyed_file(tmp_path):
+    table = synthetic_table()
+    table.fit_additive()
+    back = CostTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert back.measurements == table.measurements and back.additive == table.additive
+    assert back.key == "tiny|float32|cpu|tiers=8,16,32"
+    path = tmp_path / "cost.json"
+    table.save(path)
+    CostTable({(1, 0): 1.0}, model_name="other").save(path)
+    loaded = CostTable.load(path, "tiny", "float32", "cpu", (8, 16, 32))
+    assert loaded is not None and loaded.predict(4, 4) == pytest.approx(table.predict(4, 4))
+    assert CostTable.load(path, "tiny", "bfloat16", "cpu", (8, 16, 32)) is None
+    assert CostTable.load(tmp_path / "missing.json", "tiny", "float32", "cpu") is None
+
+
+def test_profile_step_cost_with_a_fake_clock(capsys):
+    clock = {"t": 0.0, "calls": 0}
+    jitter = [0.0, 5e-4, -1e-4, 0.0, 9e-3]                 # one outlier per 5 repeats: the median ignores it
+
+    def run_step(bs, k):
+        clock["t"] += BIAS + alpha_true(bs) + theta_true(bs + k) + jitter[clock["calls"] % 5]
+        clock["calls"] += 1
+
+    table = profile_step_cost(run_step, [1, 2, 4], lambda bs: range(0, 4 * bs + 1, 2),
+                              repeats=5, warmup=0, timer=lambda: clock["t"], model_name="fake")
+    assert clock["calls"] == 5 * len(table.measurements)
+    assert "measured ms" in capsys.readouterr().out
+    assert table.measurements[(2, 4)] == pytest.approx(BIAS + alpha_true(2) + theta_true(6), abs=1e-9)
+    assert table.additive is not None and table.model_name == "fake"
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler
+# ---------------------------------------------------------------------------------------------
+
+def trimming_table():
+    """Verify tokens are expensive: trimming pays off when survivals are low."""
+    return CostTable({(b, k): 1.0 + 0.1 * b + 0.5 * k for b in (1, 2, 4) for k in range(0, 17)})
+
+
+def test_scheduler_static_mode():
+    sched = CostScheduler(gamma=3, max_slots=8, mode="static")
+    plan = sched.plan([0, 1], [0, 0], torch.rand(2, 3))
+    assert plan.windows.tolist() == [3, 3] and plan.budget == 6 and plan.verify_tokens == 8
+    assert plan.mode == "static" and np.isnan(plan.predicted_step_time)
+
+
+def test_scheduler_without_table_warns_once_and_falls_back():
+    sched = CostScheduler(gamma=3, max_slots=8, mode="compact")
+    with pytest.warns(UserWarning, match="cost table"):
+        plan = sched.plan([0], [0], torch.rand(1, 3))
+    assert plan.mode == "static" and plan.windows.tolist() == [3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.plan([0], [0], torch.rand(1, 3))
+    with pytest.warns(UserWarning):
+        CostScheduler(3, 8, "cap-accept", CostTable({(1, 0): 1.0, (1, 3): 1.0})).plan([0], [0], torch.rand(1, 3))
+    with pytest.raises(ValueError):
+        CostScheduler(3, 8, mode="bogus")
+
+
+def test_scheduler_compact_uses_lagged_budget_and_fresh_windows():
+    sched = CostScheduler(gamma=3, max_slots=8, mode="compact", cost_table=trimming_table())
+    low = torch.tensor([[0.9, 0.2, 0.2], [0.5, 0.2, 0.2]])
+    high = torch.tensor([[0.99, 0.99, 0.99], [0.1, 0.1, 0.1]])
+    slots, gens = [3, 5], [1, 1]
+    p0 = sched.plan(slots, gens, low)       # steps 0 and 1: no lagged data -> survival 1 -> budget
+    p1 = sched.plan(slots, gens, high)
+    assert p0.budget == p1.budget == budget_from_lagged(torch.ones(2, 3), trimming_table())
+    p2 = sched.plan(slots, gens, high)      # step 2: budget from step 0's (low) confidences
+    expected_budget = budget_from_lagged(torch.cumprod(low, 1), trimming_table())
+    assert p2.step == 2 and p2.budget == expected_budget
+    assert torch.equal(p2.windows, allocate_windows_topk(high, expected_budget))
+    assert p2.verify_tokens == 2 + expected_budget
+    assert p2.predicted_step_time == pytest.approx(trimming_table().predict(2, expected_budget))
+    # a recycled slot (new generation) gets survival 1 for its lagged row
+    p3 = sched.plan([3, 5], [1, 2], high)
+    lagged = torch.cumprod(high, 1)
+    lagged[1] = 1.0
+    assert p3.budget == budget_from_lagged(lagged, trimming_table())
+
+
+def test_scheduler_cap_accept_verifies_full_blocks():
+    sched = CostScheduler(gamma=3, max_slots=4, mode="cap-accept", cost_table=trimming_table())
+    conf = torch.tensor([[0.9, 0.2, 0.2]])
+    for _ in range(3):
+        plan = sched.plan([0], [0], conf)
+    assert plan.verify_tokens == 1 + 3
+    assert torch.equal(plan.windows, allocate_windows_topk(conf, plan.budget))
+    assert plan.predicted_step_time == pytest.approx(trimming_table().predict(1, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# block-accept ceiling
+# ---------------------------------------------------------------------------------------------
+
+def test_ceiling_hand_example():
+    est = BlockAcceptEstimator(gamma=3)
+    est.record(3, 3)                              # T T T
+    est.record(3, 1)                              # T F
+    est.record(1, 1, remainder=[True, False])     # T | T F  (trimmed positions checked later)
+    est.record(1, 1)                              # T | censored
+    e = est.estimate()
+    assert e.at_risk == [4, 3, 2]
+    assert e.conditional == pytest.approx([1.0, 2 / 3, 0.5])
+    assert e.ceiling == pytest.approx(1 + 1 + 2 / 3 + 1 / 3)
+    assert e.delivered == pytest.approx(2.5) and e.mean_window == pytest.approx(2.0)
+    assert e.utilisation == pytest.approx(2.5 / 3.0)
+    assert e.window_ratio == pytest.approx(3.0 / 3.0)
+    assert e.lo <= e.ceiling <= e.hi
+    with pytest.raises(ValueError):
+        est.record(2, 3)
+
+
+def test_ceiling_recovers_truth_from_trimmed_steps():
+    rng = np.random.default_rng(0)
+    p = [0.9, 0.8, 0.7, 0.6]
+    truth = 1 + float(np.sum(np.cumprod(p)))
+    est = BlockAcceptEstimator(gamma=4, max_records=100_000)
+    for _ in range(6000):
+        verdicts = rng.random(4) < p                       # what the full block would have done
+        full = int(np.argmin(verdicts)) if not verdicts.all() else 4
+        window = int(rng.integers(0, 5))
+        accepted = min(full, window)
+        est.record(window, accepted, remainder=verdicts[window:].tolist())
+    e = est.estimate()
+    assert e.ceiling == pytest.approx(truth, abs=0.08)
+    assert e.lo < truth < e.hi
+    assert 0 < e.utilisation < 1
+
+
+def test_ceiling_sliding_window_and_wilson():
+    est = BlockAcceptEstimator(gamma=2, max_records=2)
+    est.record(2, 0)
+    est.record(2, 2)
+    est.record(2, 2)
+    assert est.estimate().at_risk == [2, 2] and est.estimate().records == 2
+    lo, hi = wilson_interval(8, 10)
+    assert 0.44 < lo < 0.5 and 0.94 < hi < 0.97
+    assert wilson_interval(0, 0) == (0.0, 1.0)
