@@ -118,10 +118,157 @@ def add_engine_args(p) -> None:
     p.add_argument("--out", default="")
 
 
+
+# ----------------------------------------------------------------------------- step-cost profile
+def engine_step_runner(llm, context_len: int):
+    """run_step(bs, K): one real speculative step shape of the loaded target + drafter: a draft
+    pass for bs requests and a target verify forward of bs + K rows, at `context_len` tokens of
+    context each (the KV content is whatever is in the cache; only the cost matters)."""
+    from .paged_kv import BlockTable
+    from .runner import Chunk
+    eng = llm.engine
+    mgrs = eng.scheduler.managers
+    spec = eng.spec
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def run_step(bs: int, k: int) -> None:
+        tables = []
+        for _ in range(bs):
+            t = {g: BlockTable() for g in mgrs}
+            for g, bm in mgrs.items():
+                bm.ensure_capacity(t[g], context_len + spec.gamma + 1)
+            tables.append(t)
+        try:
+            dev = eng.device
+            bt = torch.tensor([t["draft"].blocks for t in tables], dtype=torch.int32, device=dev)
+            spec.drafter.propose(torch.zeros(bs, dtype=torch.long, device=dev),
+                                 torch.full((bs,), context_len, device=dev), spec.cache, bt,
+                                 mgrs["draft"].block_size, lambda z, j: (z.argmax(-1), None))
+            rows = [1 + k // bs + (1 if r < k % bs else 0) for r in range(bs)]
+            chunks = [Chunk(t, context_len, [0] * n, "all") for t, n in zip(tables, rows)]
+            eng.runner.forward(chunks, capture_layers=spec.capture)
+            sync()
+        finally:
+            for t in tables:
+                for g, bm in mgrs.items():
+                    bm.free(t[g])
+    return run_step
+
+
+def profile(args) -> dict:
+    from . import LLM
+    from .cost_scheduler import profile_step_cost
+    llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb)
+    if llm.engine.spec is None:
+        raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
+    g = llm.engine.spec.gamma
+    table = profile_step_cost(engine_step_runner(llm, args.context), args.batch_sizes,
+                              lambda bs: sorted({0, bs // 2, bs, bs * g // 2, bs * g}), repeats=args.repeats,
+                              model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
+                              device=llm.engine.device.type)
+    table.save(args.out)
+    print(f"saved {args.out}; flat={table.is_flat()}")
+    return table.to_json()
+
+
+# ----------------------------------------------------------------------------- dspark economics
+def run_traffic(llm, prompts, workloads, params) -> dict:
+    t = time.perf_counter()
+    reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    wall = time.perf_counter() - t
+    toks = sum(len(r.output_ids) for r in reqs)
+    per_user = [len(r.output_ids) / max(1e-9, r.finish_time - r.arrival) for r in reqs]
+    by_wl = {}
+    for r, w in zip(reqs, workloads):
+        s = by_wl.setdefault(w, {"steps": 0, "verified": 0, "committed": 0, "ceiling": 0, "requests": 0})
+        for key in ("steps", "verified", "committed", "ceiling"):
+            s[key] += getattr(r.spec, key)
+        s["requests"] += 1
+    for r in reqs:
+        llm.engine.release(r.request_id)
+    return {"wall_s": round(wall, 3), "tokens": toks, "total_tok_s": round(toks / wall, 1),
+            "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl}
+
+
+def dspark_bench(args) -> dict:
+    from . import LLM, SamplingParams
+    from .workloads import load_workload
+    tok = None
+    rows, mixed = [], {}
+    modes = [("none", "static"), ("default", "static"), ("default", "compact")]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
+    for drafter, mode in modes:
+        llm = LLM(args.model, drafter_path=None if drafter == "default" else "none", verify_mode=mode,
+                  cost_table=args.cost_table, max_num_seqs=max(args.concurrency), use_tqdm=False,
+                  kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=8192)
+        tok = llm.tokenizer
+        name = "no-spec" if drafter == "none" else mode
+        for c in args.concurrency:
+            n = max(c, args.min_requests)
+            ps = load_workload("mix", n=n, data_dir=args.data_dir)
+            prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
+            llm.engine.config.max_num_seqs = c
+            run_traffic(llm, prompts[:min(4, n)], [p.workload for p in ps][:4], params)  # warm-up
+            r = run_traffic(llm, prompts, [p.workload for p in ps], params)
+            rows.append({"mode": name, "concurrency": c, **r})
+            print(name, c, r["total_tok_s"], r["per_user_tok_s"], flush=True)
+        del llm
+    # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
+    llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table,
+              max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
+    ps = load_workload("mix", n=args.mixed_requests, data_dir=args.data_dir)
+    r = run_traffic(llm, [tok.encode(p.render())[-args.prompt_tokens:] for p in ps], [p.workload for p in ps], params)
+    for w, s in r["by_workload"].items():
+        mixed[w] = {"mean_window": round(s["verified"] / max(1, s["steps"]), 3),
+                    "tau": round(s["committed"] / max(1, s["steps"]), 3),
+                    "ceiling_tau": round(s["ceiling"] / max(1, s["steps"]), 3),
+                    "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
+    result = {"benchmark": "dspark economics on the default pair (trained weights)", **environment(),
+              "temperature": args.temperature, "max_tokens": args.max_tokens, "sweep": rows,
+              "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed},
+              "cost_table": args.cost_table}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\n{'mode':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
+    for r in rows:
+        print(f"{r['mode']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
+    print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
+    for w, m in mixed.items():
+        print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")
+    return result
+
+
+def add_profile_args(p) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-gb", type=float, default=4.0)
+    p.add_argument("--out", default="cost_table.json")
+
+
+def add_dspark_args(p) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--cost-table", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--mixed-concurrency", type=int, default=64)
+    p.add_argument("--mixed-requests", type=int, default=128)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--kv-gb", type=float, default=4.0)
+    p.add_argument("--out", default="")
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_engine_args(sub.add_parser("engine"))
+    add_profile_args(sub.add_parser("profile"))
+    add_dspark_args(sub.add_parser("dspark"))
     a = ap.parse_args()
-    engine_baseline(a)
+    {"engine": engine_baseline, "profile": profile, "dspark": dspark_bench}[a.cmd](a)

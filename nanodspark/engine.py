@@ -53,11 +53,15 @@ class SpecStats:
     verified: int = 0       # draft tokens the target verified (the windows)
     accepted: int = 0       # draft tokens accepted
     committed: int = 0      # tokens committed by verify steps (accepted + 1 each)
+    ceiling: int = 0        # cap-accept: tokens a full-block verify would have committed
 
     def as_dict(self) -> dict:
         tau = self.committed / self.steps if self.steps else 0.0
-        return dict(steps=self.steps, drafted=self.drafted, verified=self.verified,
-                    accepted=self.accepted, committed=self.committed, tau=round(tau, 4))
+        d = dict(steps=self.steps, drafted=self.drafted, verified=self.verified,
+                 accepted=self.accepted, committed=self.committed, tau=round(tau, 4))
+        if self.ceiling:
+            d["ceiling"] = self.ceiling
+        return d
 
 
 @dataclass(eq=False)
@@ -78,6 +82,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    finish_time: float | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -239,6 +244,7 @@ class LLMEngine:
         self.backend = cfg.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
+        self.model_name = str(model_path or "default")  # the key of this model's cost table
         drafter = self._load_drafter(model_dir)
         num_blocks = self._num_kv_blocks(drafter)
         self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
@@ -275,7 +281,7 @@ class LLMEngine:
         dc, cfg = drafter.config, self.config
         cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads, dc.head_dim,
                             dtype=self.dtype, device=self.device)
-        table = CostTable.load(cfg.cost_table, str(cfg.drafter_path or "default"), str(self.dtype),
+        table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
         sched = CostScheduler(dc.gamma, cfg.max_num_seqs + cfg.max_waiting + 1, mode=cfg.verify_mode, cost_table=table)
         return SpecDecoder(drafter, manager, cache, cfg.verify_mode, sched, cfg.max_num_seqs + cfg.max_waiting + 1)
@@ -442,7 +448,7 @@ class LLMEngine:
         return delta, hit
 
     def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "") -> RequestOutput:
-        req.status, req.finish_reason = Status.FINISHED, reason
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.monotonic()
         if self.spec is not None:
             self.spec.release(req)
         if reason == "abort" and req.text:

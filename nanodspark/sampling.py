@@ -49,10 +49,25 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Row i of `logits` [N, V] -> the distribution request params[i] samples from (fp32)."""
-    out = torch.empty_like(logits, dtype=torch.float32)
+    """Row i of `logits` [N, V] -> the distribution request params[i] samples from (fp32).
+
+    Greedy rows and plain-temperature rows are done as one batched op each; only rows with
+    top-k or top-p need their own pass."""
+    z = logits.float()
+    out = torch.empty_like(z)
+    dev = z.device
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not p.top_k and p.top_p >= 1]
+    if greedy:
+        g = torch.tensor(greedy, device=dev)
+        out[g] = torch.nn.functional.one_hot(z[g].argmax(-1), z.shape[-1]).float()
+    if plain:
+        idx = torch.tensor(plain, device=dev)
+        temp = torch.tensor([params[i].temperature for i in plain], device=dev)
+        out[idx] = torch.softmax(z[idx] / temp[:, None], dim=-1)
     for i, p in enumerate(params):
-        out[i] = _one_row(logits[i].float(), p)
+        if not p.greedy and (p.top_k or p.top_p < 1):
+            out[i] = _one_row(z[i], p)
     return out
 
 

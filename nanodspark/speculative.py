@@ -51,6 +51,7 @@ class SpecDecoder:
         self.position_trials = [0] * self.gamma      # verified drafts at position k
         self.position_accepts = [0] * self.gamma     # ... of which accepted
         self.last = SpecStepStats()
+        self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified) per proposal
 
     # -- slots for the confidence relay ------------------------------------------------------
     def slot_of(self, req) -> tuple[int, int]:
@@ -78,9 +79,11 @@ class SpecDecoder:
 
         def sample_fn(logits, k):
             probs = target_probs(logits, params)
-            toks = [int(probs[i].argmax()) if p.greedy else int(torch.multinomial(probs[i], 1, generator=gens[i]))
-                    for i, p in enumerate(params)]
-            return torch.tensor(toks, device=logits.device), probs
+            toks = probs.argmax(-1)
+            for i, p in enumerate(params):
+                if not p.greedy:
+                    toks[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+            return toks, probs
         return self.drafter.propose(anchors, pos, self.cache, bt, self.manager.block_size, sample_fn)
 
     def windows(self, reqs, draft: Draft) -> list[int]:
@@ -122,6 +125,8 @@ class SpecDecoder:
             vr = verify_block(draft.tokens[i, :n_ver], probs, None if draft.probs is None else draft.probs[i, :n_ver],
                               wins[i], self.mode, r.params.greedy, r.generator)
             self._count(r, vr, wins[i], n_ver, stats)
+            if self.recorder is not None:
+                self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver))
             r.num_computed += 1 + vr.accepted
             committed_rows.append(1 + vr.accepted)
             commits.append((r, vr.tokens))
@@ -142,6 +147,7 @@ class SpecDecoder:
         stats.windows.append(verified)
         if vr.ceiling is not None:
             stats.ceilings.append(vr.ceiling)
+            r.spec.ceiling += vr.ceiling + 1
         for k in range(min(vr.accepted + 1, verified)):
             self.position_trials[k] += 1
             self.position_accepts[k] += int(k < vr.accepted)

@@ -1,0 +1,350 @@
+"""Train the DSpark drafter of a target, calibrate its confidence head with STS, and report.
+
+    python train_heads.py --out runs/drafter                     # default target, all phases
+    python train_heads.py --phases data,train --seconds 120 ...  # a subset
+
+Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
+
+1. `data` — prompts from *training* text only (never evaluation prompts): the beginnings of
+   corpus documents of every domain (chat and math cut at the assistant turn). The target
+   answers them with our own engine (batched, sampled), and the token ids are saved.
+2. `train` — the drafter learns from the target: for random anchors `a` of each response the
+   block `[x_a, mask x (gamma-1)]` must predict `x_{a+1..a+gamma}`. Loss per slot k (weight
+   `exp(-k/4)`, only over a valid prefix): `0.1 * CE + 0.9 * L1(p_draft, p_target) +
+   1.0 * BCE(confidence, 1 - L1/2 detached)`. The Markov head is teacher-forced. AdamW,
+   warm-up + cosine over a time budget, bf16 autocast on GPU, a progress bar, safetensors
+   checkpoints. The same run trains the DFlash ablation (no Markov head, no confidence, CE only).
+3. `calibrate` — speculative decoding with full-block verification on held-out prompts records
+   raw confidence logits and prefix-acceptance labels; `calibration.fit_sts` fits one
+   temperature per position on one half, and the report measures ECE/AUROC/Brier on the other.
+4. `eval` — acceptance length tau (committed tokens per verify step, bonus included) per workload
+   at T=0 and T=1, for DSpark and the DFlash ablation; per-position conditional acceptance;
+   the reliability diagram (PNG). Everything goes into `report.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from nanodspark import LLM, SamplingParams  # noqa: E402
+from nanodspark.calibration import calibration_report, fit_sts, save_reliability_png  # noqa: E402
+from nanodspark.drafter import Drafter, DrafterConfig, training_attention  # noqa: E402
+from nanodspark.loader import Tokenizer, load_model, resolve_model_dir  # noqa: E402
+from nanodspark.model import DenseAttentionContext  # noqa: E402
+
+EOT = "<|endoftext|>"
+ASSISTANT = "<|im_start|>assistant\n"
+LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
+DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
+DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
+TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")
+
+
+# ----------------------------------------------------------------------------- 1. data
+def training_prompts(corpus: Path, n: int, seed: int) -> list[str]:
+    """Beginnings of training documents, spread over domains."""
+    rng = random.Random(seed)
+    out = []
+    per = n // len(TRAIN_DOMAINS) + 1
+    for dom in TRAIN_DOMAINS:
+        path = corpus / f"{dom}.txt.xz"
+        if not path.exists():
+            continue
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            docs = [d for d in f.read().split(EOT) if len(d) > 80]
+        for d in rng.sample(docs, min(per, len(docs))):
+            if ASSISTANT in d:
+                out.append(d[: d.index(ASSISTANT) + len(ASSISTANT)])
+            else:
+                cut = rng.randint(60, min(400, len(d) - 1))
+                out.append(d[:cut])
+    rng.shuffle(out)
+    return out[:n]
+
+
+def build_data(args, tok: Tokenizer) -> list[dict]:
+    prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed)
+    llm = LLM(args.target, drafter_path="none", max_num_seqs=args.gen_batch, use_tqdm=True,
+              max_num_batched_tokens=8192)
+    params = SamplingParams(temperature=args.gen_temperature, top_p=0.95, max_tokens=args.gen_tokens, seed=None)
+    ids = [tok.encode(p)[-args.max_prompt_tokens:] for p in prompts]
+    outs = llm.generate(ids, params)
+    data = [{"prompt": p, "response": o.token_ids} for p, o in zip(ids, outs) if len(o.token_ids) >= 8]
+    del llm
+    return data
+
+
+# ----------------------------------------------------------------------------- 2. training
+def batches(data, batch: int, rng: random.Random):
+    while True:
+        rng.shuffle(data)
+        for i in range(0, len(data) - batch + 1, batch):
+            yield data[i:i + batch]
+
+
+def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
+                 device, gen: torch.Generator):
+    """Loss of one batch of sequences (each = prompt + target response)."""
+    cfg = drafter.config
+    losses, logs = [], {"ce": 0.0, "l1": 0.0, "conf": 0.0, "acc": 0.0}
+    total_w = 0.0
+    for s in seqs:
+        ids = torch.tensor(s["prompt"] + s["response"], device=device)
+        S, P = len(ids), len(s["prompt"])
+        with torch.no_grad():
+            out = target(ids, torch.arange(S, device=device), DenseAttentionContext(1, S),
+                         capture_layers=tuple(cfg.target_layer_ids))
+        lo, hi = P - 1, S - 2          # anchors whose next token is a response token
+        if hi < lo:
+            continue
+        cand = torch.arange(lo, hi + 1, device=device)
+        anchors = cand[torch.randperm(len(cand), generator=gen, device="cpu")[:n_anchors].to(device)].sort().values
+        A = len(anchors)
+        k = torch.arange(gamma, device=device)
+        pos = anchors[:, None] + k[None, :]                                  # [A, g] slot positions
+        valid = (pos + 1) < S                                                # label inside the sequence
+        posc = pos.clamp(max=S - 1)
+        labels = ids[(pos + 1).clamp(max=S - 1)]
+        prev = ids[posc]                                                     # teacher forcing: x_{a+k}
+        block = torch.full((A, gamma), cfg.mask_token_id, device=device)
+        block[:, 0] = ids[anchors]
+        ctx = drafter.context_features([c.detach() for c in out.captured])
+        cos, sin = _rope(drafter, torch.arange(S, device=device), ctx.dtype)
+        ctx_k, ctx_v = zip(*[layer.context_kv(ctx, cos, sin) for layer in drafter.layers])
+        attend = training_attention(list(ctx_k), list(ctx_v), S, anchors, gamma)
+        h = drafter.backbone(block.reshape(-1), pos.reshape(-1), attend).view(A, gamma, -1)
+        logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
+        with torch.no_grad():
+            p_t = torch.softmax(target.compute_logits(out.hidden[posc.reshape(-1)]).view(A, gamma, -1), -1)
+        logp_d = torch.log_softmax(logits, -1)
+        w = torch.exp(-k.float() / DECAY)[None, :] * valid.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(A, gamma)
+        l1 = (logp_d.exp() - p_t).abs().sum(-1)
+        loss = alpha["ce"] * ce + alpha["l1"] * l1
+        if alpha["conf"] and cfg.confidence:
+            z = drafter.confidence_logit(h, prev)
+            target_c = (1 - 0.5 * l1).clamp(0, 1).detach()
+            bce = F.binary_cross_entropy_with_logits(z, target_c, reduction="none")
+            loss = loss + alpha["conf"] * bce
+            logs["conf"] += float((bce * w).sum())
+        losses.append((loss * w).sum())
+        total_w += float(w.sum())
+        logs["ce"] += float((ce * w).sum())
+        logs["l1"] += float((l1 * w).sum())
+        logs["acc"] += float(((logits.argmax(-1) == labels).float() * w).sum())
+    total = torch.stack(losses).sum() / max(total_w, 1e-6)
+    return total, {k: v / max(total_w, 1e-6) for k, v in logs.items()}
+
+
+def _rope(drafter, positions, dtype):
+    from nanodspark.model import rope_cos_sin
+    return rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, dtype)
+
+
+def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds: float, out: Path, name: str):
+    from tqdm import tqdm
+    device = next(target.parameters()).device
+    torch.manual_seed(args.seed)
+    drafter = Drafter(dcfg, target.model.embed_tokens, target.lm_head).to(device)
+    for n_, p in drafter.named_parameters():
+        if p.dim() >= 2 and "markov_w2" not in n_:
+            torch.nn.init.normal_(p, std=0.02)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    it = batches(list(data), args.batch, rng)
+    curve, step, start = [], 0, time.time()
+    bar = tqdm(total=int(seconds), desc=f"train {name} (s)", unit="s")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    while True:
+        frac = (time.time() - start) / seconds
+        if frac >= 1 or (args.max_steps and step >= args.max_steps):
+            break
+        lr = args.lr * (frac / 0.04 if frac < 0.04 else 0.5 * (1 + math.cos(math.pi * (frac - 0.04) / 0.96)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, logs = drafter_loss(drafter, target, next(it), dcfg.gamma, args.anchors, alpha, device, gen)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 10 == 0 or step == 1:
+            curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss), 4),
+                          **{k: round(v, 4) for k, v in logs.items()}})
+            bar.n = int(time.time() - start)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{logs['acc']:.3f}")
+    bar.close()
+    drafter.save(out)
+    return drafter.eval(), curve
+
+
+# ----------------------------------------------------------------------------- 3-4. calibrate, evaluate
+def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Run full-block speculative decoding; per proposal: raw conf logits, prefix labels, valid."""
+    spec = llm.engine.spec
+    rec = []
+    spec.recorder = rec
+    spec.position_trials = [0] * spec.gamma
+    spec.position_accepts = [0] * spec.gamma
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    spec.recorder = None
+    g = spec.gamma
+    z = torch.stack([r[0] for r in rec]) if rec else torch.zeros(0, g)
+    k = torch.arange(g)
+    acc = torch.tensor([r[1] for r in rec])
+    nver = torch.tensor([r[2] for r in rec])
+    labels = (k[None, :] < acc[:, None]).float()
+    valid = k[None, :] < nver[:, None]
+    steps = sum(o.spec["steps"] for o in outs)
+    tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
+    cond = [a / t if t else None for a, t in zip(spec.position_accepts, spec.position_trials)]
+    return z, labels, valid, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond}
+
+
+def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir) -> list[list[int]]:
+    from nanodspark.workloads import load_workload
+    return [tok.encode(p.render()) for p in load_workload(name, n=n, data_dir=data_dir)]
+
+
+def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
+    res = {}
+    for name, ddir in drafter_dirs.items():
+        llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=128, use_tqdm=False)
+        for wl in ("math", "chat", "poetry", "code"):
+            prompts = workload_prompts(tok, wl, args.eval_n, args.data_dir)
+            for temp in (0.0, 1.0):
+                params = SamplingParams(temperature=temp, max_tokens=args.eval_tokens, seed=args.seed)
+                _, _, _, m = record_spec(llm, prompts, params)
+                res.setdefault(name, {}).setdefault(wl, {})[f"T={temp:g}"] = m
+                print(name, wl, f"T={temp:g}", "tau", m["tau"], flush=True)
+    return res
+
+
+def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
+    llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=128, use_tqdm=False)
+    prompts = []
+    for wl in ("math", "chat", "poetry", "code"):
+        prompts += workload_prompts(tok, wl, args.calib_n, args.data_dir)
+    random.Random(args.seed).shuffle(prompts)
+    half = len(prompts) // 2
+    params = SamplingParams(temperature=args.calib_temperature, max_tokens=args.eval_tokens, seed=args.seed)
+    z_fit, y_fit, v_fit, _ = record_spec(llm, prompts[:half], params)
+    z_ev, y_ev, v_ev, _ = record_spec(llm, prompts[half:], params)
+    temps = fit_sts(z_fit, y_fit, v_fit)
+    report = calibration_report(z_ev, y_ev, v_ev, temps)
+    print(report.format(), flush=True)
+    # ship the temperatures with the drafter
+    d = Drafter.load(ddir, llm.engine.model)
+    d.sts_temperature.copy_(temps.float())
+    d.save(ddir)
+    save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps)
+    return {"temperatures": [round(float(t), 4) for t in temps], "held_out_proposals": int(len(z_ev)),
+            "fit_proposals": int(len(z_fit)), "calibration_temperature": args.calib_temperature,
+            "before": [vars(m) for m in report.before], "after": [vars(m) for m in report.after],
+            "mean_ece_before": report.mean_ece("before"), "mean_ece_after": report.mean_ece("after")}
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Train, calibrate and evaluate a DSpark drafter.")
+    ap.add_argument("--target", default=None, help="target model dir (default: the embedded one)")
+    ap.add_argument("--corpus", default=str(ROOT / ".carry" / "corpus"), help="training text (*.txt.xz)")
+    ap.add_argument("--data-dir", default=None, help="workload data (default: ../shared/data or .carry/data)")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "drafter"))
+    ap.add_argument("--phases", default="data,train,calibrate,eval")
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--markov-rank", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=640)
+    ap.add_argument("--n-prompts", type=int, default=4000)
+    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=160)
+    ap.add_argument("--gen-batch", type=int, default=256)
+    ap.add_argument("--gen-temperature", type=float, default=0.8)
+    ap.add_argument("--seconds", type=float, default=150, help="DSpark training budget")
+    ap.add_argument("--dflash-seconds", type=float, default=90, help="DFlash ablation budget (0 = skip)")
+    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--calib-n", type=int, default=40, help="prompts per workload for STS (half fit, half eval)")
+    ap.add_argument("--calib-temperature", type=float, default=1.0)
+    ap.add_argument("--eval-n", type=int, default=40)
+    ap.add_argument("--eval-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.target = str(resolve_model_dir(args.target))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = set(args.phases.split(","))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = Tokenizer(args.target)
+    report = {"argv": " ".join(sys.argv), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    t0 = time.time()
+    data_path = out / "data.json"
+    if "data" in phases:
+        data = build_data(args, tok)
+        data_path.write_text(json.dumps(data))
+        report["data"] = {"sequences": len(data), "response_tokens": sum(len(d["response"]) for d in data),
+                          "seconds": round(time.time() - t0, 1)}
+        print(report["data"], flush=True)
+    dirs = {"dspark": out / "dspark", "dflash": out / "dflash"}
+    if "train" in phases:
+        data = json.loads(data_path.read_text())
+        target = load_model(args.target, dtype=torch.float32, device=device)
+        base = dict(gamma=args.gamma, num_layers=args.layers, intermediate_size=args.intermediate,
+                    mask_token_id=tok.tok.token_to_id("<|pad|>") or 0)
+        dcfg = DrafterConfig.for_target(target.config, markov_rank=args.markov_rank, **base)
+        d, curve = train_drafter(args, target, data, dcfg, LOSS_ALPHA, args.seconds, dirs["dspark"], "dspark")
+        report["dspark"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
+                            "config": vars(dcfg)}
+        if args.dflash_seconds > 0:
+            fcfg = DrafterConfig.for_target(target.config, markov_rank=0, confidence=False, **base)
+            d, curve = train_drafter(args, target, data, fcfg, DFLASH_ALPHA, args.dflash_seconds, dirs["dflash"], "dflash")
+            report["dflash"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve}
+        del target
+    if "calibrate" in phases:
+        report["calibration"] = calibrate(args, dirs["dspark"], tok, out)
+    if "eval" in phases:
+        report["tau"] = evaluate(args, {k: v for k, v in dirs.items() if (v / "config.json").exists()}, tok)
+    report["seconds"] = round(time.time() - t0, 1)
+    prev = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    prev.update(report)
+    (out / "report.json").write_text(json.dumps(prev, indent=1, default=str))
+    print_summary(prev)
+    return prev
+
+
+def print_summary(r: dict) -> None:
+    if "tau" in r:
+        print(f"\n{'workload':8} {'T':>3} {'dspark tau':>10} {'dflash tau':>10} {'ratio':>6}")
+        for wl in ("math", "chat", "poetry", "code"):
+            for t in ("T=0", "T=1"):
+                a = r["tau"].get("dspark", {}).get(wl, {}).get(t, {}).get("tau")
+                b = r["tau"].get("dflash", {}).get(wl, {}).get(t, {}).get("tau")
+                ratio = f"{a / b:.2f}" if a and b else "-"
+                print(f"{wl:8} {t:>3} {a or '-':>10} {b or '-':>10} {ratio:>6}")
+    if "calibration" in r:
+        c = r["calibration"]
+        print("STS temperatures", c["temperatures"], "mean ECE before", round(c["mean_ece_before"], 4),
+              "after", round(c["mean_ece_after"], 4))
+
+
+if __name__ == "__main__":
+    main()
