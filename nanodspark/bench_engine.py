@@ -1,4 +1,4 @@
-"""Engine benchmarks (run on the GPU; `python -m nanodspark.bench engine|dspark ...`).
+"""Engine benchmarks (run on the GPU; `python -m nanodspark.bench engine|profile|dspark ...`).
 
 `engine`: tokens/s of `LLM.generate` on a Qwen3-0.6B-shaped model with **random weights** at
 batch 1 and 64, for each attention backend, as the baseline later work improves on. Medians of
@@ -262,13 +262,3 @@ def add_dspark_args(p) -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--out", default="")
-
-if __name__ == "__main__":
-    import argparse
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_engine_args(sub.add_parser("engine"))
-    add_profile_args(sub.add_parser("profile"))
-    add_dspark_args(sub.add_parser("dspark"))
-    a = ap.parse_args()
-    {"engine": engine_baseline, "profile": profile, "dspark": dspark_bench}[a.cmd](a)

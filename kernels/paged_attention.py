@@ -1,0 +1,335 @@
+"""Triton paged attention for a packed ragged batch (prefill chunks, decode, verify windows).
+
+The idea
+    One program computes, for one request `r`, one KV head `kvh` and one *query tile*, the
+    attention output of a `BLOCK_M`-row tile of queries over that request's keys. Four ideas
+    make it fast and keep it small:
+
+    1. GQA packing. The `G = Hq // Hkv` query heads that share KV head `kvh` read the same keys,
+       so they are packed into the M dimension of the tile: row `m` of the request's
+       `(q_len * G)`-row matrix is query token `m // G`, query head `kvh * G + m % G`. One load
+       of a K/V tile then feeds `BLOCK_M` rows: for a verify window of 8 tokens and G = 4 the
+       32 rows of the tile share every byte read from HBM (decode: G rows share it).
+    2. Paging. The program walks the key positions in `BLOCK_N`-token tiles. For each key it
+       looks up `block_tables[r, j // PAGE]` and reads the row `cache[page, j % PAGE, kvh, :]`.
+       The walk starts at the first key any row of the tile may read (window, `kv_start`) and
+       stops after the last (causality), so blocks wholly outside the window are not visited,
+       and key loads are masked off for any `-1` entry that remains.
+    3. Online softmax. Scores are kept in base 2 (`scale * log2(e)` is folded into the
+       product), with a running row max `m`, running denominator `l` and an fp32 accumulator
+       `acc`; each new tile rescales `l` and `acc` by `2^(m_old - m_new)`. Masked scores are
+       `-inf`; the running max starts at a large finite negative value, so a row that has seen
+       only masked keys gets weights of exactly 0 (no `inf - inf`), and a row with no key at
+       all ends with `l = 0` and outputs zeros.
+    4. Split-KV (flash-decoding). At small batch and long context there are too few
+       (request, KV head, tile) programs to fill the GPU, so the key range is cut into
+       `num_splits` chunks handled by separate programs. Each writes its normalised partial
+       output and its log-sum-exp (base 2) to fp32 scratch; a second small kernel merges the
+       chunks: `o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)` with `M = max_s lse_s`.
+
+    CUDA-graph friendly: the grid is `(q_tiles, Hkv * num_splits, B)`, where `q_tiles`
+    depends only on the host int `max_q_len`, and `num_splits` only on host-known shapes
+    (batch size, block-table width, device). Per-request lengths are read inside the kernel
+    from `cu_seqlens_q`, `kv_lens`, `block_tables` and `kv_start`; a program whose tile lies
+    past its request's rows returns at once.
+
+Invariants (see walkthrough/00_design.md)
+    * q: [T, Hq, D]; caches [num_blocks, PAGE, Hkv, D] (unit stride on D); block_tables int32
+      [B, max_blocks]; cu_seqlens_q int32 [B + 1]; kv_lens int32 [B] (including the new tokens,
+      whose K/V are already stored); kv_start int32 [B] or None.
+    * Row i of request r is at position p = kv_lens[r] - q_len[r] + i and reads key j iff
+      j <= p, p - j < sliding_window (if > 0), j >= kv_start[r] (if given).
+    * fp32 accumulation; output dtype = q.dtype; bf16 / fp16 / fp32 inputs (fp32 uses IEEE
+      dot products, not tf32; the probabilities are rounded to the input dtype for the P.V
+      product, as in FlashAttention). Rows that may read nothing get zeros.
+    * Rows of q beyond cu_seqlens_q[B] belong to no request; their output is unspecified.
+
+Tested against
+    `kernels.reference.paged_attention_ref` in tests/test_kernels.py (Triton interpreter on
+    CPU, natively on CUDA): ragged batches crossing block boundaries and window edges, q_len
+    1..16 and longer prefill chunks, GQA ratios 1/2/4/8, kv_len up to ~2000, -1 block-table
+    entries, forced split counts (including more splits than key tiles), NaN-poisoned outputs.
+    Speed: `python -m nanodspark.bench kernels` (walkthrough/03_kernels.md).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Tests set this to fill the split-KV scratch with NaN, so an unwritten partial shows.
+POISON_SCRATCH = False
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    bt_ptr, cu_q_ptr, kv_lens_ptr, kv_start_ptr,
+    qk_scale, window, num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, HAS_KV_START: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head_split = tl.program_id(1)
+    r = tl.program_id(2)
+    kvh = head_split // num_splits
+    split = head_split % num_splits
+
+    # ---- which query rows: tile `tile` of the request's (q_len * GROUP) packed rows ----------
+    q_start = tl.load(cu_q_ptr + r)
+    q_len = tl.load(cu_q_ptr + r + 1) - q_start
+    row0 = tile * BLOCK_M
+    if row0 >= q_len * GROUP:
+        return
+    kv_len = tl.load(kv_lens_ptr + r)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    qi = offs_m // GROUP                     # query token within the request
+    head = kvh * GROUP + offs_m % GROUP      # query head
+    row_ok = qi < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # ---- which keys: [lo, hi) covers every key some row of this tile may read -----------------
+    first_pos = kv_len - q_len               # position of the request's first query row
+    pos = first_pos + qi                     # position of each row
+    last_row = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+    hi = tl.minimum(kv_len, first_pos + last_row + 1)
+    lo = kv_len * 0
+    if HAS_KV_START:
+        lo = tl.load(kv_start_ptr + r)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, first_pos + row0 // GROUP - window + 1)
+    lo = tl.maximum(lo, 0)
+
+    # ---- this program's share of the key tiles (split-KV) -------------------------------------
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    n_tiles = tl.maximum(tl.cdiv(hi - lo_tile, BLOCK_N), 0)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    s_lo = lo_tile + split * per_split * BLOCK_N
+    s_hi = tl.minimum(hi, s_lo + per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + r.to(tl.int64) * stride_bt
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+
+    for start in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start + offs_n0
+        in_range = (offs_n >= lo) & (offs_n < s_hi)
+        page = tl.load(bt_row + offs_n // PAGE, mask=in_range, other=-1)
+        key_ok = in_range & (page >= 0)                       # never dereference a -1 entry
+        page = tl.where(key_ok, page, 0).to(tl.int64)
+        in_page = offs_n % PAGE
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+
+        k = tl.load(k_head + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        allowed = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_head + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # ---- epilogue ------------------------------------------------------------------------------
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        po = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
+        tl.store(po + offs_d[None, :], out, mask=st_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+    else:
+        po = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(po + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)     # every split empty: all weights 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    part = tl.load(part_o_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph
+                   + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    # An empty split has w = 0 and a written zero partial, so no 0 * garbage here.
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of `paged_attention`; `pick_config` chooses them from shapes."""
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _interpreting() -> bool:
+    # The Triton interpreter (CPU tests) computes bf16 dot products wrongly (seen with Triton
+    # 3.6 and 3.9): under it, bf16 dot operands are upcast to fp32 (the GPU path is unchanged).
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(*, batch: int, num_kv_heads: int, group: int, head_dim: int, max_q_len: int,
+                max_kv_len: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
+    """Tile sizes and split count from host-known shapes only (never from device data).
+
+    * block_m: the packed rows (max_q_len * group) rounded up to a power of two, in [16, 64].
+    * block_n: 64 keys per step (32 for fp32 or head_dim > 128, to bound registers/smem).
+    * num_splits: enough programs to give every SM ~4 of them, but no split shorter than
+      4 key tiles, at most 64 splits.
+    """
+    rows = max(1, max_q_len) * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 32 if (dtype == torch.float32 or head_dim > 128) else 64
+    q_tiles = triton.cdiv(rows, block_m)
+    programs = batch * num_kv_heads * q_tiles
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    kv_tiles = triton.cdiv(max(1, max_kv_len), block_n)
+    want = triton.cdiv(4 * sms, max(1, programs))
+    num_splits = max(1, min(want, kv_tiles // 4, 64))
+    num_stages = 3 if (device.type == "cuda" and dtype != torch.float32 and head_dim <= 128) else 2
+    return AttentionConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
+                           num_warps=4, num_stages=num_stages)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                    *, scale: float, sliding_window: int = 0, kv_start: torch.Tensor | None = None,
+                    max_q_len: int | None = None, out: torch.Tensor | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
+    """Attention of a packed ragged batch over a paged KV cache; returns o [T, Hq, D].
+
+    Semantics: walkthrough/00_design.md (and `kernels.reference.paged_attention_ref`).
+    `max_q_len` (host int) sizes the grid; if None it is read from `cu_seqlens_q` (one
+    device-to-host sync). `out` may be passed (e.g. a CUDA-graph buffer). `config` overrides
+    the tile sizes / split count that `pick_config` would choose."""
+    T, Hq, D = q.shape
+    B = cu_seqlens_q.shape[0] - 1
+    PAGE, Hkv = k_cache.shape[1], k_cache.shape[2]
+    assert Hq % Hkv == 0, "query heads must be a multiple of KV heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
+    assert block_tables.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
+    assert kv_lens.dtype == torch.int32
+    G = Hq // Hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    max_q_len = max(1, max_q_len)
+
+    if config is None:
+        max_kv = block_tables.shape[1] * PAGE
+        if sliding_window > 0:
+            max_kv = min(max_kv, sliding_window + max_q_len)
+        config = pick_config(batch=B, num_kv_heads=Hkv, group=G, head_dim=D, max_q_len=max_q_len,
+                             max_kv_len=max_kv, dtype=q.dtype, device=q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    q_tiles = triton.cdiv(max_q_len * G, config.block_m)
+    S = config.num_splits
+    split = S > 1
+    if split:
+        part_o = torch.empty((S, T, Hq, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((S, T, Hq), dtype=torch.float32, device=q.device)
+        if POISON_SCRATCH:
+            part_o.fill_(float("nan"))
+            part_lse.fill_(float("nan"))
+    else:
+        part_o = part_lse = out          # unused (SPLIT=False); any tensor will do
+    kv_start_arg = kv_start if kv_start is not None else kv_lens   # unused when HAS_KV_START=False
+
+    grid = (q_tiles, Hkv * S, B)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        block_tables, cu_seqlens_q, kv_lens, kv_start_arg,
+        scale * LOG2E, int(sliding_window), S,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        part_o.stride(0) if split else 0, part_o.stride(1) if split else 0,
+        part_o.stride(2) if split else 0,
+        part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, GROUP=G, PAGE=PAGE,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        USE_WINDOW=sliding_window > 0, HAS_KV_START=kv_start is not None, SPLIT=split,
+        F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(T, Hq)](
+            part_o, part_lse, out, S,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)),
+            num_warps=4 if BLOCK_D >= 128 else 1,
+        )
+    return out

@@ -1,0 +1,449 @@
+"""Benchmarks: `python -m nanodspark.bench <subcommand> [...]`.
+
+The idea
+    One entry point, one argparse subcommand per benchmark; each subcommand measures, writes
+    every number to a JSON file (hardware, versions, the exact command, every row) and prints a
+    short table last. Subcommands are registered in `build_parser`; add yours there.
+
+    `kernels` (issue #3) times the Triton paged attention (kernels/paged_attention.py) on the
+    attention shape of Qwen3-8B (32 query heads, 8 KV heads, head_dim 128, bf16, KV block 16)
+    for decode (q_len 1) and verify (q_len 4, 8), batch 1/8/64/256, context 1k/8k/32k, next to
+    torch SDPA on the same data held densely (`[B, H, S, D]` views, GQA through `enable_gqa`,
+    the bottom-right causal mask for q_len > 1) and flex_attention (compiled; every new shape
+    recompiles it, so by default it is tried only on the goal region, batch 8/64, ctx >= 8k,
+    q_len 1/8, within a time budget). It also measures the device-to-device copy bandwidth in the same run, and
+    reports the achieved bandwidth of the kernel,
+        bytes = K/V that must be read (B * ctx * Hkv * D * 2 tensors * 2 bytes) + Q + O,
+    over the median time, its fraction of the copy bandwidth (bytes read + written / time of a
+    large `copy_`), and the speedups. A short sweep of launch configurations at two shapes
+    records what the heuristic `pick_config` may leave on the table (event-timed: where the
+    GPU time is under ~100 us it mostly measures the host's launch time).
+
+Invariants
+    * Times are medians from `triton.testing.do_bench` (CUDA events, L2 flushed between
+      repetitions); `*_graph_us` are medians of CUDA-graph replays (`do_bench_cudagraph`),
+      which also proves the kernel is capturable.
+    * Every Triton output is compared with SDPA's (max abs difference recorded).
+    * Combinations that do not fit in free device memory (paged cache + dense copy) are
+      skipped and listed with the reason; so are rows past the time budget.
+    * Without CUDA, `--smoke` runs the same code path on tiny shapes with the Triton
+      interpreter and a wall-clock timer (a check of this script, not a measurement).
+
+Tested against
+    Run on an H200 (results: benchmarks/kernels_h200.json, discussed in
+    walkthrough/03_kernels.md); the kernels' correctness is tests/test_kernels.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def _timer(use_cuda: bool, rep_ms: int):
+    """(median ms of fn via events, median ms via graph replay or None)."""
+    if use_cuda:
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        def events(fn):
+            return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+        def graph(fn):
+            try:
+                return do_bench_cudagraph(fn, rep=max(10, rep_ms // 3), return_mode="median")
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                return f"error: {type(e).__name__}: {str(e)[:120]}"
+        return events, graph
+
+    def wall(fn):
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    return wall, (lambda fn: None)
+
+
+def _copy_bandwidth(torch, events, device, nbytes):
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = events(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9, ms
+
+
+def _sdpa_fn(torch, F, q, k, v, q_len, ctx, scale):
+    """SDPA on dense [B, H, S, D] views; bottom-right causal for q_len > 1. (fn, variant)."""
+    if q_len == 1:
+        return (lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)), \
+            "no mask"
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+        bias = causal_lower_right(q_len, ctx)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,  # noqa: E731
+                                                    enable_gqa=True)
+        fn()
+        return fn, "causal_lower_right"
+    except Exception:  # noqa: BLE001 - fall back to an explicit boolean mask
+        i = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= i
+        return (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                       enable_gqa=True)), "bool mask"
+
+
+class _Flex:
+    """Compiled flex_attention within a time budget (compilation included)."""
+
+    def __init__(self, torch, enabled: bool, budget_s: float):
+        self.torch, self.budget, self.spent, self.error = torch, budget_s, 0.0, None
+        self.fn = None
+        if not enabled:
+            self.error = "disabled"
+            return
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            import torch._dynamo.config as dc
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dc, name):
+                    setattr(dc, name, 256)
+            self.create_block_mask = create_block_mask
+            self.fn = torch.compile(flex_attention)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {str(e)[:160]}"
+
+    def make(self, q, k, v, q_len, ctx, scale):
+        """A callable, or a string saying why not."""
+        if self.fn is None:
+            return self.error
+        if self.spent > self.budget:
+            return "skipped: flex time budget spent"
+        t0 = time.perf_counter()
+        try:
+            mask = None
+            if q_len > 1:
+                off = ctx - q_len
+                mask = self.create_block_mask(lambda b, h, qi, kj: kj <= qi + off, None, None,
+                                              q_len, ctx, device=q.device)
+            fn = lambda: self.fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)  # noqa: E731
+            fn()
+            self.torch.cuda.synchronize()
+            return fn
+        except Exception as e:  # noqa: BLE001
+            return f"error: {type(e).__name__}: {str(e)[:160]}"
+        finally:
+            self.spent += time.perf_counter() - t0
+
+
+def _fmt(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def run_kernels(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda and not args.smoke:
+        sys.exit("bench kernels needs a CUDA GPU (or --smoke for a CPU check of this script)")
+    # `kernels` first: without CUDA it selects the Triton interpreter, before Triton is imported.
+    from kernels import AttentionConfig, paged_attention, pick_config
+    import triton
+
+    device = torch.device("cuda" if use_cuda else "cpu")
+    events, graph = _timer(use_cuda, args.rep_ms)
+    t_start = time.perf_counter()
+    if args.smoke:
+        Hq, Hkv, D, PAGE = 8, 2, 32, 16
+        batches, contexts, q_lens = [1, 2], [64, 256], [1, 4]
+    else:
+        Hq, Hkv, D, PAGE = 32, 8, 128, 16
+        batches, contexts, q_lens = args.batches, args.contexts, args.q_lens
+    dtype, esize = torch.bfloat16, 2
+    scale = D ** -0.5
+
+    res = {
+        "benchmark": "kernels",
+        "command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]),
+        "hardware": {},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "triton": triton.__version__, "cuda": torch.version.cuda},
+        "shape": {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "dtype": "bfloat16",
+                  "block_size": PAGE, "note": "Qwen3-8B attention" if not args.smoke else "smoke"},
+        "bytes_counted": "B*ctx*Hkv*D*2(K,V)*2B + Q + O (each T*Hq*D*2B)",
+        "timing": "triton.testing.do_bench median (CUDA events, L2 flushed); *_graph_us: "
+                  "do_bench_cudagraph median",
+        "rows": [], "skipped": [], "sweep": [],
+    }
+    if use_cuda:
+        p = torch.cuda.get_device_properties(device)
+        res["hardware"] = {"name": torch.cuda.get_device_name(device), "sms": p.multi_processor_count,
+                           "memory_GiB": round(p.total_memory / 2**30, 1),
+                           "capability": f"{p.major}.{p.minor}"}
+    else:
+        res["hardware"] = {"name": f"CPU ({platform.machine()}), Triton interpreter"}
+
+    copy_bytes = (1 << 31) if use_cuda else (1 << 24)
+    res["copy_GBps"], res["copy_ms"] = _copy_bandwidth(torch, events, device, copy_bytes)
+    res["copy_bytes"] = copy_bytes
+    copy_bw = res["copy_GBps"]
+    print(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write of {copy_bytes / 2**30:.1f} GiB)",
+          flush=True)
+
+    flex = _Flex(torch, use_cuda and not args.no_flex, args.flex_budget_s)
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    combos = sorted(((b, c) for b in batches for c in contexts), key=lambda bc: bc[0] * bc[1])
+    for B, ctx in combos:
+        nblk = B * math.ceil(ctx / PAGE)
+        kv_bytes = 2 * nblk * PAGE * Hkv * D * esize
+        if time.perf_counter() - t_start > args.budget_s:
+            res["skipped"].append({"batch": B, "ctx": ctx, "why": "time budget"})
+            continue
+        if use_cuda:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
+            need = 2 * kv_bytes + (2 << 30)
+            if need > 0.9 * free:
+                res["skipped"].append({"batch": B, "ctx": ctx, "why":
+                                       f"needs {need / 1e9:.0f} GB (paged cache + dense copy), "
+                                       f"{free / 1e9:.0f} GB free"})
+                print(f"skip B={B} ctx={ctx}: {res['skipped'][-1]['why']}", flush=True)
+                continue
+        gen_dev = device
+        k_cache = torch.randn(nblk, PAGE, Hkv, D, dtype=dtype, device=gen_dev)
+        v_cache = torch.randn(nblk, PAGE, Hkv, D, dtype=dtype, device=gen_dev)
+        perm = torch.randperm(nblk, device=device)              # scattered pages
+        tables = perm.view(B, -1).to(torch.int32)
+        kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        # The same K/V held densely for SDPA / flex: [B, Hkv, ctx, D] views (unit stride on D).
+        k_dense = k_cache[perm.view(B, -1)].view(B, -1, Hkv, D)[:, :ctx].transpose(1, 2)
+        v_dense = v_cache[perm.view(B, -1)].view(B, -1, Hkv, D)[:, :ctx].transpose(1, 2)
+
+        for q_len in q_lens:
+            T = B * q_len
+            q = torch.randn(T, Hq, D, dtype=dtype, device=device)
+            cu = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=device)
+            out = torch.empty_like(q)
+            cfg = pick_config(batch=B, num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D,
+                              max_q_len=q_len, max_kv_len=tables.shape[1] * PAGE, dtype=dtype,
+                              device=device)
+            tri = lambda: paged_attention(q, k_cache, v_cache, tables, cu, kv_lens,  # noqa: E731
+                                          scale=scale, max_q_len=q_len, out=out)
+            row = {"batch": B, "ctx": ctx, "q_len": q_len,
+                   "config": {"block_m": cfg.block_m, "block_n": cfg.block_n,
+                              "num_splits": cfg.num_splits, "num_warps": cfg.num_warps,
+                              "num_stages": cfg.num_stages}}
+            nbytes = 2 * B * ctx * Hkv * D * esize + 2 * T * Hq * D * esize   # K,V + Q,O
+            row["bytes"] = nbytes
+            try:
+                row["triton_us"] = events(tri) * 1e3
+                g = graph(tri)
+                row["triton_graph_us"] = g * 1e3 if isinstance(g, float) else g
+                row["triton_GBps"] = nbytes / (row["triton_us"] * 1e-6) / 1e9
+                row["frac_of_copy"] = row["triton_GBps"] / copy_bw
+            except Exception as e:  # noqa: BLE001
+                row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            qd = q.view(B, q_len, Hq, D).transpose(1, 2)
+            try:
+                sdpa, row["sdpa_variant"] = _sdpa_fn(torch, F, qd, k_dense, v_dense, q_len, ctx,
+                                                     scale)
+                ref = sdpa().transpose(1, 2).reshape(T, Hq, D)
+                tri()
+                row["max_abs_diff_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+                del ref
+                row["sdpa_us"] = events(sdpa) * 1e3
+                g = graph(sdpa)
+                row["sdpa_graph_us"] = g * 1e3 if isinstance(g, float) else g
+                if "triton_us" in row:
+                    row["speedup_vs_sdpa"] = row["sdpa_us"] / row["triton_us"]
+            except Exception as e:  # noqa: BLE001
+                row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                if use_cuda:
+                    torch.cuda.empty_cache()
+            if use_cuda and not (args.flex_all or (B in (8, 64) and ctx >= 8192 and q_len in (1, 8))):
+                row["flex_error"] = "not tried (only batch 8/64, ctx >= 8k, q 1/8; --flex-all)"
+            elif use_cuda:
+                fx = flex.make(qd, k_dense, v_dense, q_len, ctx, scale)
+                if callable(fx):
+                    try:
+                        row["flex_us"] = events(fx) * 1e3
+                        if "triton_us" in row:
+                            row["speedup_vs_flex"] = row["flex_us"] / row["triton_us"]
+                    except Exception as e:  # noqa: BLE001
+                        row["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                else:
+                    row["flex_error"] = fx
+            res["rows"].append(row)
+            print(f"B={B:4d} ctx={ctx:6d} q={q_len:2d} triton {_fmt(row.get('triton_us'), '9.1f')} us "
+                  f"({_fmt(row.get('frac_of_copy'), '.2f')} of copy)  sdpa {_fmt(row.get('sdpa_us'), '9.1f')} us"
+                  f"  flex {_fmt(row.get('flex_us'), '9.1f')} us  maxdiff "
+                  f"{_fmt(row.get('max_abs_diff_vs_sdpa'), '.3g')}", flush=True)
+            save()
+        del k_cache, v_cache, k_dense, v_dense, perm, tables
+
+    # ---- a short sweep of launch configurations ------------------------------------------------
+    sweep_shapes = [(2, 128, 1), (2, 128, 4)] if args.smoke else [(8, 8192, 1), (8, 8192, 8)]
+    t_sweep = time.perf_counter()
+    for B, ctx, q_len in sweep_shapes:
+        if time.perf_counter() - t_start > args.budget_s:
+            res["sweep"].append({"batch": B, "ctx": ctx, "q_len": q_len, "skipped": "time budget"})
+            continue
+        nblk = B * math.ceil(ctx / PAGE)
+        k_cache = torch.randn(nblk, PAGE, Hkv, D, dtype=dtype, device=device)
+        v_cache = torch.randn(nblk, PAGE, Hkv, D, dtype=dtype, device=device)
+        tables = torch.randperm(nblk, device=device).view(B, -1).to(torch.int32)
+        kv_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        T = B * q_len
+        q = torch.randn(T, Hq, D, dtype=dtype, device=device)
+        cu = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        base = pick_config(batch=B, num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D, max_q_len=q_len,
+                           max_kv_len=ctx, dtype=dtype, device=device)
+        want = paged_attention(q, k_cache, v_cache, tables, cu, kv_lens, scale=scale,
+                               max_q_len=q_len).float()
+        s = base.num_splits
+        cands = [base]
+        for bn, st, nw in [(32, 3, 4), (64, 2, 4), (64, 4, 4), (64, 3, 8), (128, 2, 4),
+                           (128, 3, 8), (32, 4, 4)]:
+            cands.append(AttentionConfig(base.block_m, bn, s, nw, st))
+        for sp in sorted({max(1, s // 2), s * 2, s * 4}):
+            cands.append(AttentionConfig(base.block_m, base.block_n, sp, base.num_warps,
+                                         base.num_stages))
+        for c in cands:
+            if time.perf_counter() - t_sweep > args.sweep_budget_s:
+                res["sweep"].append({"batch": B, "ctx": ctx, "q_len": q_len,
+                                     "config": dataclasses.asdict(c), "skipped": "sweep time budget"})
+                continue
+            ent = {"batch": B, "ctx": ctx, "q_len": q_len, "config": dataclasses.asdict(c),
+                   "default": c == base}
+            try:
+                fn = lambda: paged_attention(q, k_cache, v_cache, tables, cu, kv_lens,  # noqa: E731
+                                             scale=scale, max_q_len=q_len, out=out, config=c)
+                fn()
+                ent["max_abs_diff_vs_default"] = float((out.float() - want).abs().max())
+                ent["us"] = events(fn) * 1e3
+                nbytes = 2 * nblk * PAGE * Hkv * D * esize + 2 * T * Hq * D * esize
+                ent["frac_of_copy"] = nbytes / (ent["us"] * 1e-6) / 1e9 / copy_bw
+            except Exception as e:  # noqa: BLE001
+                ent["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["sweep"].append(ent)
+        del k_cache, v_cache
+        save()
+
+    # ---- goals --------------------------------------------------------------------------------
+    big = [r for r in res["rows"] if r["ctx"] >= 8192 and r["batch"] >= 8 and "frac_of_copy" in r]
+    ver = [r for r in res["rows"] if r["q_len"] == 8 and "speedup_vs_sdpa" in r]
+    res["goals"] = {
+        "bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8": {
+            "met": sum(r["frac_of_copy"] >= 0.8 for r in big), "of": len(big),
+            "min": min((r["frac_of_copy"] for r in big), default=None),
+            "max": max((r["frac_of_copy"] for r in big), default=None)},
+        "verify_q8_speedup_ge_2x_sdpa": {
+            "met": sum(r["speedup_vs_sdpa"] >= 2 for r in ver), "of": len(ver),
+            "min": min((r["speedup_vs_sdpa"] for r in ver), default=None),
+            "max": max((r["speedup_vs_sdpa"] for r in ver), default=None)},
+    }
+    res["elapsed_s"] = time.perf_counter() - t_start
+    save()
+    return res
+
+
+def print_kernels_table(res: dict) -> None:
+    print()
+    print(f"{res['hardware'].get('name')} | torch {res['versions']['torch']} | triton "
+          f"{res['versions']['triton']} | copy {res['copy_GBps']:.0f} GB/s")
+    print(f"{'B':>4} {'ctx':>6} {'q':>2} | {'triton us':>9} {'graph us':>9} {'GB/s':>6} {'%copy':>5} "
+          f"| {'sdpa us':>9} {'x':>5} | {'flex us':>9} {'x':>5} | split")
+    for r in res["rows"]:
+        print(f"{r['batch']:>4} {r['ctx']:>6} {r['q_len']:>2} | {_fmt(r.get('triton_us'), '9.1f')} "
+              f"{_fmt(r.get('triton_graph_us'), '9.1f')} {_fmt(r.get('triton_GBps'), '6.0f')} "
+              f"{_fmt(100 * r['frac_of_copy'] if 'frac_of_copy' in r else None, '5.0f')} | "
+              f"{_fmt(r.get('sdpa_us'), '9.1f')} {_fmt(r.get('speedup_vs_sdpa'), '5.2f')} | "
+              f"{_fmt(r.get('flex_us'), '9.1f')} {_fmt(r.get('speedup_vs_flex'), '5.2f')} | "
+              f"{r['config']['num_splits']}")
+    for s in res["skipped"]:
+        print(f"skipped B={s['batch']} ctx={s['ctx']}: {s['why']}")
+    best = {}
+    for e in res["sweep"]:
+        if "us" in e:
+            key = (e["batch"], e["ctx"], e["q_len"])
+            if e.get("default"):
+                best.setdefault(key, {})["default"] = e
+            if key not in best or "best" not in best[key] or e["us"] < best[key]["best"]["us"]:
+                best.setdefault(key, {})["best"] = e
+    for (b, c, ql), d in best.items():
+        if "default" in d:
+            print(f"sweep B={b} ctx={c} q={ql}: default {d['default']['us']:.1f} us, best "
+                  f"{d['best']['us']:.1f} us with {d['best']['config']}")
+    for name, g in res.get("goals", {}).items():
+        print(f"goal {name}: met {g['met']}/{g['of']} (min {_fmt(g['min'], '.2f')}, "
+              f"max {_fmt(g['max'], '.2f')})")
+
+
+def cmd_kernels(args) -> int:
+    res = run_kernels(args)
+    print_kernels_table(res)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+# ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nanodspark.bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    k = sub.add_parser("kernels", help="Triton paged attention vs SDPA / flex (GPU)")
+    k.add_argument("--out", default=None, help="JSON file for every row")
+    k.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    k.add_argument("--q-lens", type=int, nargs="+", default=[1, 4, 8])
+    k.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per timing")
+    k.add_argument("--no-flex", action="store_true", help="skip flex_attention")
+    k.add_argument("--flex-all", action="store_true",
+                   help="try flex_attention on every row (each new shape recompiles it)")
+    k.add_argument("--flex-budget-s", type=float, default=75.0,
+                   help="stop trying flex_attention (compile included) after this long")
+    k.add_argument("--sweep-budget-s", type=float, default=45.0)
+    k.add_argument("--budget-s", type=float, default=280.0, help="skip rows started after this")
+    k.add_argument("--smoke", action="store_true", help="tiny shapes; runs without CUDA")
+    k.set_defaults(func=cmd_kernels)
+
+    from . import bench_engine as be  # engine-level benchmarks live in their own file
+    e = sub.add_parser("engine", help="LLM.generate tokens/s, Qwen3-0.6B shape, random weights")
+    be.add_engine_args(e)
+    e.set_defaults(func=lambda a: be.engine_baseline(a) and 0)
+    pr = sub.add_parser("profile", help="profile the step cost T(bs, K) of target + drafter")
+    be.add_profile_args(pr)
+    pr.set_defaults(func=lambda a: be.profile(a) and 0)
+    d = sub.add_parser("dspark", help="concurrency sweep: no speculation vs static vs compact")
+    be.add_dspark_args(d)
+    d.set_defaults(func=lambda a: be.dspark_bench(a) and 0)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Prometheus metrics of one server: requests, tokens, latency, KV blocks and DSpark counters.
+
+The idea
+--------
+`Metrics` owns its *own* `CollectorRegistry`, so two servers in one process (the tests start
+several) never share or collide on a metric. Nothing reads engine internals behind the server's
+back: the engine thread feeds every `RequestOutput` to `on_output` and, after each loop
+iteration, the engine's queue lengths and KV usage to `set_engine_state`. The HTTP layer counts
+answered requests with `count_request`. `render()` returns the Prometheus text exposition.
+
+Speculative counters come from `RequestOutput.spec` (the request's `SpecStats` as a dict).
+Those are cumulative per request, so each output contributes the *difference* to the previous
+output of the same request. That keeps the counters live while a request runs and lets one
+verify step be recovered exactly: an output whose `steps` grew by one carries that step's window
+(`verified` grew by the window), which feeds the window histogram.
+
+Invariants
+----------
+* Per-request bookkeeping (`_live`) is touched only by the engine thread; an entry exists from
+  `request_started` until the request's finished output, then it is dropped.
+* Counters only grow; the τ gauge is committed / steps over every verify step seen so far.
+* Label sets are bounded: endpoints are a fixed list (anything else is `other`), KV groups come
+  from the engine, finish reasons from the engine's three values.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+SPEC_KEYS = ("steps", "drafted", "verified", "accepted", "committed")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+WINDOW_BUCKETS = tuple(range(0, 33))  # draft tokens verified in one step: 0, 1, ..., 32
+
+
+@dataclass
+class _Track:
+    """What the metrics remember about one live request."""
+    arrival: float
+    first: float | None = None     # time of its first generated token
+    last: float = 0.0              # time of its latest generated token
+    spec: dict = field(default_factory=dict)  # its SpecStats at the previous output
+
+
+class Metrics:
+    def __init__(self, prefix: str = "nanodspark"):
+        self.registry = r = CollectorRegistry()
+        p = prefix + "_"
+        # HTTP and request lifecycle
+        self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.finished = Counter(p + "requests_finished", "Generation requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "Time between generated tokens of one request (per token)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to finish of a generation request",
+                             buckets=E2E_BUCKETS, registry=r)
+        # engine state
+        self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests queued in the engine", registry=r)
+        self.kv_blocks = Gauge(p + "kv_blocks", "KV cache blocks per KV group and state (used, free)",
+                               ["group", "state"], registry=r)
+        # DSpark speculative decoding
+        self.spec = {
+            "steps": Counter(p + "spec_verify_steps", "Speculative verify steps (one per request and step)", registry=r),
+            "drafted": Counter(p + "spec_drafted_tokens", "Draft tokens produced by the drafter", registry=r),
+            "verified": Counter(p + "spec_verified_tokens", "Draft tokens the target verified", registry=r),
+            "accepted": Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r),
+            "committed": Counter(p + "spec_committed_tokens", "Tokens committed by verify steps", registry=r),
+        }
+        self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
+        self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
+                                buckets=WINDOW_BUCKETS, registry=r)
+        self._tau_committed = 0
+        self._tau_steps = 0
+        self._live: dict[str, _Track] = {}
+
+    # -- called by the HTTP layer ---------------------------------------------------------------
+    def count_request(self, endpoint: str, code: int) -> None:
+        self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(code)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- called by the engine thread ------------------------------------------------------------
+    def request_started(self, request_id: str, arrival: float) -> None:
+        self._live[request_id] = _Track(arrival)
+
+    def on_output(self, out, now: float | None = None) -> None:
+        """Account one `RequestOutput` (new tokens, latency, speculative deltas, finish)."""
+        now = time.monotonic() if now is None else now
+        t = self._live.get(out.request_id)
+        if t is None:  # a request the server did not announce: account it from now on
+            t = self._live[out.request_id] = _Track(now)
+        n = len(out.new_token_ids)
+        if n:
+            self.generation_tokens.inc(n)
+            if t.first is None:
+                t.first = now
+                self.ttft.observe(now - t.arrival)
+            else:
+                gap = (now - t.last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            t.last = now
+        self._spec_delta(t, out.spec or {})
+        if out.finished:
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+            self.finished.labels(out.finish_reason or "unknown").inc()
+            self.e2e.observe(now - t.arrival)
+            del self._live[out.request_id]
+
+    def _spec_delta(self, t: _Track, spec: dict) -> None:
+        delta = {k: spec.get(k, 0) - t.spec.get(k, 0) for k in SPEC_KEYS}
+        t.spec = {k: spec.get(k, 0) for k in SPEC_KEYS}
+        for k, d in delta.items():
+            if d > 0:
+                self.spec[k].inc(d)
+        steps = delta["steps"]
+        if steps > 0:  # normally one step per output; spread evenly if several were merged
+            for _ in range(steps):
+                self.window.observe(delta["verified"] / steps)
+            self._tau_steps += steps
+            self._tau_committed += delta["committed"]
+            self.tau.set(self._tau_committed / self._tau_steps)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request that never produced a finished output (refused or failed)."""
+        self._live.pop(request_id, None)
+
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        for group, u in kv_usage.items():
+            self.kv_blocks.labels(group, "used").set(u["used"])
+            self.kv_blocks.labels(group, "free").set(u["free"])

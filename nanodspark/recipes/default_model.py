@@ -1,0 +1,24 @@
+"""The recipe of the embedded default model, one command per step:
+
+    python -m nanodspark.recipes.default_model corpus    --out build/corpus      # CPU, ~3 min, needs pip/apt
+    python -m nanodspark.recipes.default_model tokenizer --corpus build/corpus   # CPU, ~1 min
+    python -m nanodspark.recipes.default_model train     --corpus .carry/corpus --out OUT   # GPU, ~4 min
+
+Each step is its own module (corpus.py, tokenizer.py, train_target.py); this file only
+dispatches, so `--help` after a step name shows that step's options.
+"""
+import sys
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    steps = {"corpus": "corpus", "tokenizer": "tokenizer", "train": "train_target"}
+    if not argv or argv[0] not in steps:
+        raise SystemExit(__doc__)
+    import runpy
+    sys.argv = [f"nanodspark.recipes.{steps[argv[0]]}"] + argv[1:]
+    runpy.run_module(f"nanodspark.recipes.{steps[argv[0]]}", run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

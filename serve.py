@@ -1,0 +1,153 @@
+"""`python serve.py [--model DIR] [engine flags]`: serve a model over an OpenAI-compatible HTTP API.
+
+The idea
+--------
+Load one `LLMEngine`, wrap it in the FastAPI app of `nanodspark/server.py`, and run it with
+uvicorn. With no arguments it serves the embedded default model (`nanodspark/assets/default`)
+on CUDA if present, else the CPU, at http://127.0.0.1:8000, and prints a curl to paste.
+
+Flags are not written out by hand: every field of `EngineConfig` becomes a flag
+(`max_num_seqs` -> `--max-num-seqs`, a bool `enable_prefix_cache` -> `--enable-prefix-cache` /
+`--no-enable-prefix-cache`), with the field's default and its one-line comment as help. So a
+new engine knob is a server flag the moment it exists. Server-only flags: `--model`, `--host`,
+`--port`, `--max-queue`, `--served-model-name`, `--log-level`.
+
+Invariants: binds 127.0.0.1 unless `--host` says otherwise; a missing model is a one-line error
+naming `--model` (exit status 2), not a traceback; SIGINT/SIGTERM stop uvicorn, whose lifespan
+exit stops and joins the engine thread.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import shlex
+import signal
+import sys
+import typing
+from pathlib import Path
+
+from nanodspark.config import EngineConfig
+
+SERVER_FLAGS = ("model", "host", "port", "max_queue", "served_model_name", "log_level")
+
+
+def _field_help() -> dict[str, str]:
+    """The trailing `# comment` of each EngineConfig field, read from its source."""
+    try:
+        src = inspect.getsource(EngineConfig)
+    except (OSError, TypeError):
+        return {}
+    return {m.group(1): m.group(2).strip()
+            for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.MULTILINE)}
+
+
+def _scalar(tp):
+    """int | float | str | bool for a field type, unwrapping `X | None`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description="Serve a model with nanodspark over an OpenAI-compatible API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face checkpoint directory; default: the embedded nanodspark/assets/default")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; 0.0.0.0 exposes the server to the network)")
+    ap.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    ap.add_argument("--max-queue", type=int, default=0,
+                    help="most requests in flight in the server; beyond it 429. 0 (default) = max_num_seqs + max_waiting")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model id clients send; default: the model directory's name")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn log level (default: info)")
+    eng = ap.add_argument_group("engine (fields of nanodspark.config.EngineConfig)")
+    helps = _field_help()
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "use_tqdm":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _scalar(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else "(computed)"
+        # SUPPRESS: a flag not given leaves the field to EngineConfig's own default.
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})")
+        if tp is bool:
+            eng.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif tp in (int, float, str):
+            eng.add_argument(flag, type=tp, metavar=tp.__name__.upper(), **kw)
+        else:  # a structured field: give it as JSON
+            eng.add_argument(flag, type=json.loads, metavar="JSON", **kw)
+    return ap
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    kwargs = {k: v for k, v in vars(args).items() if k in names}
+    return EngineConfig.from_kwargs(**kwargs, use_tqdm=False)
+
+
+def curl_example(url: str, model: str) -> str:
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello! Who are you?"}], '
+            '"max_tokens": 64}') % model
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from nanodspark.loader import DEFAULT_MODEL_DIR
+    model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        what = "the embedded default model" if args.model is None else "the model"
+        print(f"error: {what} was not found at {model_dir} (no config.json). "
+              "Pass --model PATH to a Hugging Face checkpoint directory (config.json + *.safetensors).",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = engine_config(args)
+    except (TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from nanodspark.engine import LLMEngine
+    from nanodspark.server import HTTPServer, create_app
+
+    try:
+        engine = LLMEngine(args.model, cfg)
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
+        print(f"error: could not load {model_dir}: {e}\nPass --model PATH to a Hugging Face checkpoint "
+              "directory.", file=sys.stderr)
+        return 2
+    name = args.served_model_name or ("nanodspark-default" if args.model is None else model_dir.resolve().name)
+    app = create_app(engine, model_name=name, max_queue=args.max_queue)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+
+    def banner():
+        print(f"\nnanodspark is serving {name!r} on {engine.device} at {url}/v1\n"
+              f"Try:\n  {curl_example(url, name)}\n", flush=True)
+
+    server = HTTPServer(app, on_ready=banner, host=args.host, port=args.port, log_level=args.log_level,
+                        timeout_graceful_shutdown=5)
+    # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown, then the lifespan exit joins the
+    # engine thread) and afterwards re-raises the signal into the handler found before it started.
+    # Make that handler a KeyboardInterrupt for SIGTERM too, so both end here with status 0.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.server.loop.stop()  # a no-op after a clean lifespan exit; joins after a forced one
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

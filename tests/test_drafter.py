@@ -1,0 +1,143 @@
+"""The block drafter: inference (paged context) equals training (dense mask), causality of the
+context, the Markov head's left-to-right conditioning, confidence/survival, checkpoints."""
+import pytest
+import torch
+
+from nanodspark.drafter import BlockAttention, Drafter, DrafterConfig, training_attention
+from nanodspark.loader import load_model
+from nanodspark.model import DenseAttentionContext, rope_cos_sin
+
+from conftest import make_hf_model
+
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d, _ = make_hf_model("qwen3", tmp_path_factory.mktemp("t"), window=0, num_hidden_layers=4)
+    return load_model(d)
+
+
+def make(target, **kw):
+    torch.manual_seed(0)
+    kw = {"markov_rank": 8, **kw}
+    cfg = DrafterConfig.for_target(target.config, gamma=GAMMA, num_layers=2, intermediate_size=64,
+                                   mask_token_id=5, **kw)
+    d = Drafter(cfg, target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return d.eval()
+
+
+def features(target, ids, layers):
+    S = len(ids)
+    with torch.no_grad():
+        return target(ids, torch.arange(S), DenseAttentionContext(1, S), capture_layers=tuple(layers)).captured
+
+
+def dense_block_hidden(d, captured, ids, anchor):
+    S = captured[0].shape[0]
+    ctx = d.context_features(captured)
+    cos, sin = rope_cos_sin(torch.arange(S), d.config.head_dim, d.config.rope_theta, ctx.dtype)
+    kv = [l.context_kv(ctx, cos, sin) for l in d.layers]
+    attend = training_attention([k for k, _ in kv], [v for _, v in kv], S, torch.tensor([anchor]), GAMMA)
+    block = torch.full((GAMMA,), d.config.mask_token_id)
+    block[0] = ids[anchor]
+    return d.backbone(block, anchor + torch.arange(GAMMA), attend)
+
+
+def test_paged_inference_equals_dense_training_path(target):
+    d = make(target)
+    torch.manual_seed(1)
+    ids = torch.randint(0, target.config.vocab_size, (23,))
+    a = 17
+    captured = features(target, ids, d.config.target_layer_ids)
+    with torch.no_grad():
+        want = dense_block_hidden(d, captured, ids, a)
+        bs, nblocks = 4, 8
+        cache = torch.zeros(d.config.num_layers, 2, nblocks, bs, d.config.num_key_value_heads, d.config.head_dim)
+        table = torch.tensor([6, 2, 7, 0, 3], dtype=torch.int32)      # scattered physical blocks
+        pos = torch.arange(a)
+        slots = table[pos // bs].long() * bs + pos % bs
+        d.inject([c[:a] for c in captured], pos, slots, cache)
+        g = torch.full((GAMMA,), d.config.mask_token_id)
+        g[0] = ids[a]
+        attend = BlockAttention(cache, table[None], torch.tensor([a]), bs, GAMMA)
+        got = d.backbone(g, a + torch.arange(GAMMA), attend)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_context_is_strictly_before_the_anchor(target):
+    d = make(target)
+    ids = torch.randint(0, target.config.vocab_size, (20,))
+    a = 12
+    captured = features(target, ids, d.config.target_layer_ids)
+    with torch.no_grad():
+        base = dense_block_hidden(d, captured, ids, a)
+        later = [c.clone() for c in captured]
+        for c in later:
+            c[a:] += 5.0                                     # the anchor's own features and beyond
+        torch.testing.assert_close(dense_block_hidden(d, later, ids, a), base)
+        earlier = [c.clone() for c in captured]
+        for c in earlier:
+            c[a - 1] += 5.0
+        assert not torch.allclose(dense_block_hidden(d, earlier, ids, a), base)
+
+
+def test_markov_head_conditions_each_slot_on_the_sampled_previous_token(target):
+    d = make(target)
+    bs = 4
+    cache = torch.randn(d.config.num_layers, 2, 4, bs, d.config.num_key_value_heads, d.config.head_dim)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    seen = []
+
+    def sample_fn(logits, k):
+        seen.append(logits.clone())
+        tok = torch.tensor([7 + k])                        # a fixed, known "sampled" token per slot
+        return tok, torch.softmax(logits, -1)
+    with torch.no_grad():
+        draft = d.propose(torch.tensor([11]), torch.tensor([9]), cache, table, bs, sample_fn)
+        g = torch.full((GAMMA,), d.config.mask_token_id)
+        g[0] = 11
+        h = d.backbone(g, 9 + torch.arange(GAMMA), BlockAttention(cache, table, torch.tensor([9]), bs, GAMMA))
+        base = d.lm_head(h).float()
+    prev = [11, 7, 8, 9]
+    for k in range(GAMMA):
+        want = base[k] + d.markov_w2(d.markov_w1(torch.tensor(prev[k]))).float()
+        torch.testing.assert_close(seen[k][0], want, atol=1e-4, rtol=1e-4)
+    assert draft.tokens.tolist() == [[7, 8, 9, 10]]
+    assert torch.allclose(draft.survival, torch.cumprod(draft.confidence, -1))
+    assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
+
+
+def test_sts_temperature_scales_the_confidence(target):
+    d = make(target)
+    z = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    d.sts_temperature.copy_(torch.tensor([1.0, 2.0, 4.0, 0.5]))
+    want = torch.sigmoid(z / d.sts_temperature)
+    torch.testing.assert_close(torch.sigmoid(z / d.sts_temperature[None]), want)
+
+
+def test_save_load_roundtrip_and_errors(target, tmp_path):
+    d = make(target)
+    d.sts_temperature.copy_(torch.tensor([1.5, 2.0, 0.7, 1.0]))
+    d.save(tmp_path / "dr")
+    d2 = Drafter.load(tmp_path / "dr", target)
+    assert torch.equal(d2.sts_temperature, d.sts_temperature)
+    for (k, a), (_, b) in zip(d.state_dict().items(), d2.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert "embed" not in str(list(d.state_dict())) and "lm_head" not in str(list(d.state_dict()))
+    other, _ = make_hf_model("qwen3", tmp_path / "o", vocab_size=100)
+    with pytest.raises(ValueError, match="vocab"):
+        Drafter.load(tmp_path / "dr", load_model(other))
+    with pytest.raises(FileNotFoundError):
+        Drafter.load(tmp_path / "missing", target)
+
+
+def test_dflash_baseline_has_no_markov_or_confidence(target):
+    d = make(target, markov_rank=0, confidence=False)
+    assert not hasattr(d, "markov_w1") and not hasattr(d, "confidence_head")
+    h = torch.randn(3, d.config.hidden_size)
+    assert torch.equal(d.confidence_logit(h, torch.tensor([1, 2, 3])), torch.zeros(3))

@@ -1,0 +1,36 @@
+"""A two-step training smoke run of train_heads.py writes a drafter the engine loads and uses."""
+import json
+import lzma
+
+import torch
+
+import train_heads
+from nanodspark import LLM, SamplingParams
+from nanodspark.drafter import Drafter
+from nanodspark.loader import load_model
+
+
+def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = ["<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\nIt is four, of course.",
+            "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n" * 3]
+    for name, d in (("chat", docs[0]), ("code", docs[1])):
+        with lzma.open(corpus / f"{name}.txt.xz", "wt") as f:
+            f.write(("<|endoftext|>".join([d] * 6)) + "<|endoftext|>")
+    out = tmp_path / "run"
+    report = train_heads.main(["--target", str(tiny_dir), "--corpus", str(corpus), "--out", str(out),
+                               "--phases", "data,train", "--n-prompts", "6", "--gen-tokens", "10",
+                               "--gen-batch", "6", "--seconds", "60", "--dflash-seconds", "0",
+                               "--max-steps", "2", "--batch", "2", "--anchors", "4", "--gamma", "3",
+                               "--layers", "1", "--markov-rank", "8", "--intermediate", "32"])
+    assert report["data"]["sequences"] > 0
+    curve = report["dspark"]["curve"]
+    assert curve and all(torch.isfinite(torch.tensor(c["loss"])) for c in curve)
+    cfg = json.loads((out / "dspark" / "config.json").read_text())
+    assert cfg["gamma"] == 3 and cfg["markov_rank"] == 8
+    d = Drafter.load(out / "dspark", load_model(tiny_dir))
+    assert d.config.gamma == 3
+    llm = LLM(str(tiny_dir), drafter_path=str(out / "dspark"), use_tqdm=False)
+    o = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert len(o.token_ids) == 6 and o.spec["steps"] > 0
