@@ -138,11 +138,11 @@ def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_ancho
             target_c = (1 - 0.5 * l1).clamp(0, 1).detach()
             bce = F.binary_cross_entropy_with_logits(z, target_c, reduction="none")
             loss = loss + alpha["conf"] * bce
-            logs["conf"] += float((bce * w).sum())
+            logs["conf"] += float((bce * w).sum().detach())
         losses.append((loss * w).sum())
         total_w += float(w.sum())
-        logs["ce"] += float((ce * w).sum())
-        logs["l1"] += float((l1 * w).sum())
+        logs["ce"] += float((ce * w).sum().detach())
+        logs["l1"] += float((l1 * w).sum().detach())
         logs["acc"] += float(((logits.argmax(-1) == labels).float() * w).sum())
     total = torch.stack(losses).sum() / max(total_w, 1e-6)
     return total, {k: v / max(total_w, 1e-6) for k, v in logs.items()}

@@ -204,7 +204,7 @@ def train(args) -> dict:
         if step % 25 == 0:
             el = time.time() - start
             log["curve"].append({"step": step, "seconds": round(el, 1), "tokens": tokens,
-                                 "loss": round(loss.item(), 4), "aux": round(float(aux), 4), "lr": lr})
+                                 "loss": round(loss.detach().item(), 4), "aux": round(float(aux), 4), "lr": lr})
             bar.n = int(el)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / el:.0f}")
         if time.time() - last_eval > args.eval_every or (args.max_steps and step == args.max_steps):
