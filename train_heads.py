@@ -96,56 +96,57 @@ def batches(data, batch: int, rng: random.Random):
 
 def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
                  device, gen: torch.Generator):
-    """Loss of one batch of sequences (each = prompt + target response)."""
+    """Loss of one batch of sequences (each = prompt + target response), all sequences at once:
+    one target forward over the padded batch, one drafter pass over every anchor's block."""
     cfg = drafter.config
-    losses, logs = [], {"ce": 0.0, "l1": 0.0, "conf": 0.0, "acc": 0.0}
-    total_w = 0.0
-    for s in seqs:
-        ids = torch.tensor(s["prompt"] + s["response"], device=device)
-        S, P = len(ids), len(s["prompt"])
-        with torch.no_grad():
-            out = target(ids, torch.arange(S, device=device), DenseAttentionContext(1, S),
-                         capture_layers=tuple(cfg.target_layer_ids))
-        lo, hi = P - 1, S - 2          # anchors whose next token is a response token
-        if hi < lo:
-            continue
-        cand = torch.arange(lo, hi + 1, device=device)
-        anchors = cand[torch.randperm(len(cand), generator=gen, device="cpu")[:n_anchors].to(device)].sort().values
-        A = len(anchors)
-        k = torch.arange(gamma, device=device)
-        pos = anchors[:, None] + k[None, :]                                  # [A, g] slot positions
-        valid = (pos + 1) < S                                                # label inside the sequence
-        posc = pos.clamp(max=S - 1)
-        labels = ids[(pos + 1).clamp(max=S - 1)]
-        prev = ids[posc]                                                     # teacher forcing: x_{a+k}
-        block = torch.full((A, gamma), cfg.mask_token_id, device=device)
-        block[:, 0] = ids[anchors]
-        ctx = drafter.context_features([c.detach() for c in out.captured])
-        cos, sin = _rope(drafter, torch.arange(S, device=device), ctx.dtype)
-        ctx_k, ctx_v = zip(*[layer.context_kv(ctx, cos, sin) for layer in drafter.layers])
-        attend = training_attention(list(ctx_k), list(ctx_v), S, anchors, gamma)
-        h = drafter.backbone(block.reshape(-1), pos.reshape(-1), attend).view(A, gamma, -1)
-        logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
-        with torch.no_grad():
-            p_t = torch.softmax(target.compute_logits(out.hidden[posc.reshape(-1)]).view(A, gamma, -1), -1)
-        logp_d = torch.log_softmax(logits, -1)
-        w = torch.exp(-k.float() / DECAY)[None, :] * valid.float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(A, gamma)
-        l1 = (logp_d.exp() - p_t).abs().sum(-1)
-        loss = alpha["ce"] * ce + alpha["l1"] * l1
-        if alpha["conf"] and cfg.confidence:
-            z = drafter.confidence_logit(h, prev)
-            target_c = (1 - 0.5 * l1).clamp(0, 1).detach()
-            bce = F.binary_cross_entropy_with_logits(z, target_c, reduction="none")
-            loss = loss + alpha["conf"] * bce
-            logs["conf"] += float((bce * w).sum().detach())
-        losses.append((loss * w).sum())
-        total_w += float(w.sum())
-        logs["ce"] += float((ce * w).sum().detach())
-        logs["l1"] += float((l1 * w).sum().detach())
-        logs["acc"] += float(((logits.argmax(-1) == labels).float() * w).sum())
-    total = torch.stack(losses).sum() / max(total_w, 1e-6)
-    return total, {k: v / max(total_w, 1e-6) for k, v in logs.items()}
+    B = len(seqs)
+    lens = torch.tensor([len(s["prompt"]) + len(s["response"]) for s in seqs])
+    S = int(lens.max())
+    ids = torch.zeros(B, S, dtype=torch.long)
+    anchors = torch.zeros(B, n_anchors, dtype=torch.long)
+    has = torch.zeros(B, n_anchors, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, :lens[b]] = torch.tensor(s["prompt"] + s["response"])
+        cand = torch.arange(len(s["prompt"]) - 1, int(lens[b]) - 1)   # the next token is a response token
+        pick = cand[torch.randperm(len(cand), generator=gen)[:n_anchors]].sort().values
+        anchors[b, :len(pick)], has[b, :len(pick)] = pick, True
+    ids, anchors, has, lens = ids.to(device), anchors.to(device), has.to(device), lens.to(device)
+    flat_ids = ids.view(-1)
+    with torch.no_grad():  # padding sits after each sequence, so causal attention ignores it
+        out = target(flat_ids, torch.arange(S, device=device).repeat(B), DenseAttentionContext(B, S),
+                     capture_layers=tuple(cfg.target_layer_ids))
+    k = torch.arange(gamma, device=device)
+    row0 = (torch.arange(B, device=device) * S)[:, None, None]
+    pos = anchors[:, :, None] + k                                           # [B, A, g] slot positions
+    valid = has[:, :, None] & (pos + 1 < lens[:, None, None])              # label inside the sequence
+    rows = row0 + pos.clamp(max=S - 1)
+    labels = flat_ids[row0 + (pos + 1).clamp(max=S - 1)]
+    prev = flat_ids[rows]                                                   # teacher forcing: x_{a+k}
+    block = torch.full_like(pos, cfg.mask_token_id)
+    block[:, :, 0] = flat_ids[row0[:, :, 0] + anchors]
+    ctx = drafter.context_features([c.detach() for c in out.captured])
+    cos, sin = _rope(drafter, torch.arange(S, device=device).repeat(B), ctx.dtype)
+    kv = [layer.context_kv(ctx, cos, sin) for layer in drafter.layers]
+    attend = training_attention([kk.view(B, S, *kk.shape[1:]) for kk, _ in kv],
+                                [vv.view(B, S, *vv.shape[1:]) for _, vv in kv], anchors, gamma)
+    h = drafter.backbone(block.reshape(-1), pos.reshape(-1), attend).view(B, n_anchors, gamma, -1)
+    logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
+    with torch.no_grad():
+        p_t = torch.softmax(target.compute_logits(out.hidden[rows.reshape(-1)]), -1).view(logits.shape)
+    w = torch.exp(-k.float() / DECAY) * valid.float()
+    total_w = w.sum().clamp_min(1e-6)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(w.shape)
+    l1 = (torch.softmax(logits, -1) - p_t).abs().sum(-1)
+    loss = alpha["ce"] * ce + alpha["l1"] * l1
+    logs = {}
+    if alpha["conf"] and cfg.confidence:
+        z = drafter.confidence_logit(h, prev)
+        bce = F.binary_cross_entropy_with_logits(z, (1 - 0.5 * l1).clamp(0, 1).detach(), reduction="none")
+        loss = loss + alpha["conf"] * bce
+        logs["conf"] = float((bce * w).sum().detach() / total_w)
+    logs.update(ce=float((ce * w).sum().detach() / total_w), l1=float((l1 * w).sum().detach() / total_w),
+                acc=float(((logits.argmax(-1) == labels).float() * w).sum() / total_w))
+    return (loss * w).sum() / total_w, logs
 
 
 def _rope(drafter, positions, dtype):
@@ -184,10 +185,10 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 10 == 0 or step == 1:
-            curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss), 4),
+            curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss.detach()), 4),
                           **{k: round(v, 4) for k, v in logs.items()}})
             bar.n = int(time.time() - start)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{logs['acc']:.3f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{logs['acc']:.3f}")
     bar.close()
     drafter.save(out)
     return drafter.eval(), curve

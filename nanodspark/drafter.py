@@ -239,45 +239,55 @@ class Drafter(nn.Module):
 
 class BlockAttention:
     """Attention of the gamma block queries of R requests: over each request's cached context
-    (positions < anchor_pos, read through its block table) and, bidirectionally, over the
-    block's own keys. Plain torch; the context is gathered per request."""
+    (positions < anchor_pos, read through its block table) and, bidirectionally, over the block's
+    own keys. Plain torch, batched: contexts are gathered to a common length and masked."""
 
     def __init__(self, cache, block_tables, anchor_pos, block_size, gamma):
-        self.cache, self.bt, self.bs, self.g = cache, block_tables, block_size, gamma
-        self.ctx_lens = anchor_pos.tolist()
+        self.cache, self.g = cache, gamma
+        R = block_tables.shape[0]
+        n_blocks = max(1, (int(anchor_pos.max()) + block_size - 1) // block_size)
+        self.blocks = block_tables[:, :n_blocks].long().clamp_min(0)      # -1 entries are masked below
+        L = n_blocks * block_size
+        ctx_ok = torch.arange(L, device=anchor_pos.device)[None, :] < anchor_pos[:, None]   # [R, L]
+        blk_ok = torch.ones(R, gamma, dtype=torch.bool, device=anchor_pos.device)
+        self.mask = torch.cat([ctx_ok, blk_ok], 1)[:, None, None, :]                      # [R, 1, 1, L+g]
 
     def __call__(self, layer: int, q, k, v, scale: float):
-        g, out = self.g, torch.empty_like(q)
-        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]
-        group = q.shape[1] // k.shape[1]
-        for r, n in enumerate(self.ctx_lens):
-            rows = slice(r * g, (r + 1) * g)
-            nb = (n + self.bs - 1) // self.bs
-            blocks = self.bt[r, :nb].long()
-            kc = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
-            vc = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
-            kk = torch.cat([kc.to(k.dtype), k[rows]]).repeat_interleave(group, dim=1)
-            vv = torch.cat([vc.to(v.dtype), v[rows]]).repeat_interleave(group, dim=1)
-            att = torch.einsum("qhd,khd->hqk", q[rows].float(), kk.float()) * scale
-            out[rows] = torch.einsum("hqk,khd->qhd", att.softmax(-1), vv.float()).to(q.dtype)
-        return out
+        R, g = self.blocks.shape[0], self.g
+
+        def ctx(cache):  # [R, n_blocks, bs, Hkv, D] -> [R, Hkv, L, D]
+            c = cache[self.blocks]
+            return c.reshape(R, -1, c.shape[-2], c.shape[-1]).transpose(1, 2).to(q.dtype)
+
+        def heads(t):
+            return t.view(R, g, t.shape[1], t.shape[2]).transpose(1, 2)
+        kk = torch.cat([ctx(self.cache[layer, 0]), heads(k)], dim=2)
+        vv = torch.cat([ctx(self.cache[layer, 1]), heads(v)], dim=2)
+        o = F.scaled_dot_product_attention(heads(q), kk, vv, attn_mask=self.mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(R * g, o.shape[1], o.shape[3])
 
 
-def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], n_ctx: int,
-                       anchors: torch.Tensor, gamma: int):
-    """Attention for training (train_heads.py): A blocks of one sequence, block b may attend the
-    context positions `< anchors[b]` and its own gamma slots (bidirectional)."""
-    A = anchors.shape[0]
+def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anchors: torch.Tensor,
+                       gamma: int):
+    """Attention for training (train_heads.py), over a batch of B sequences at once.
+
+    ctx_k / ctx_v: per draft layer, the injected context K/V `[B, S, Hkv, D]`; anchors `[B, A]`.
+    Block (b, a) may attend the context positions `< anchors[b, a]` of its own sequence and its
+    own gamma slots (bidirectionally); blocks never see each other. Queries arrive flattened in
+    (sequence, anchor, slot) order, `[B*A*gamma, H, D]`."""
+    B, A = anchors.shape
+    S = ctx_k[0].shape[1]
     dev = anchors.device
-    ctx_ok = torch.arange(n_ctx, device=dev)[None, :] < anchors[:, None]            # [A, S]
+    ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]           # [B, A, S]
     blk = torch.arange(A, device=dev).repeat_interleave(gamma)
-    own = blk[:, None] == blk[None, :]                                            # [A*g, A*g]
-    mask = torch.cat([ctx_ok.repeat_interleave(gamma, 0), own], dim=1)            # [A*g, S + A*g]
+    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)                              # [B, Ag, Ag]
+    mask = torch.cat([ctx_ok.repeat_interleave(gamma, 1), own], dim=2)[:, None]         # [B, 1, Ag, S+Ag]
 
     def attend(layer, q, k, v, scale):
-        kk = torch.cat([ctx_k[layer], k]).transpose(0, 1)[None]
-        vv = torch.cat([ctx_v[layer], v]).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-        return o[0].transpose(0, 1)
+        def heads(t):  # [B*A*g, H, D] -> [B, H, A*g, D]
+            return t.view(B, A * gamma, t.shape[1], t.shape[2]).transpose(1, 2)
+        kk = torch.cat([ctx_k[layer].transpose(1, 2), heads(k)], dim=2)
+        vv = torch.cat([ctx_v[layer].transpose(1, 2), heads(v)], dim=2)
+        o = F.scaled_dot_product_attention(heads(q), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * A * gamma, o.shape[1], o.shape[3])
     return attend

@@ -42,7 +42,7 @@ def dense_block_hidden(d, captured, ids, anchor):
     ctx = d.context_features(captured)
     cos, sin = rope_cos_sin(torch.arange(S), d.config.head_dim, d.config.rope_theta, ctx.dtype)
     kv = [l.context_kv(ctx, cos, sin) for l in d.layers]
-    attend = training_attention([k for k, _ in kv], [v for _, v in kv], S, torch.tensor([anchor]), GAMMA)
+    attend = training_attention([k[None] for k, _ in kv], [v[None] for _, v in kv], torch.tensor([[anchor]]), GAMMA)
     block = torch.full((GAMMA,), d.config.mask_token_id)
     block[0] = ids[anchor]
     return d.backbone(block, anchor + torch.arange(GAMMA), attend)
@@ -141,3 +141,32 @@ def test_dflash_baseline_has_no_markov_or_confidence(target):
     assert not hasattr(d, "markov_w1") and not hasattr(d, "confidence_head")
     h = torch.randn(3, d.config.hidden_size)
     assert torch.equal(d.confidence_logit(h, torch.tensor([1, 2, 3])), torch.zeros(3))
+
+
+def test_batched_training_attention_equals_one_sequence_at_a_time(target):
+    """Two sequences of different lengths, padded into one batch: each block sees only its own
+    sequence's context (padding and the other sequence change nothing)."""
+    d = make(target)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, target.config.vocab_size, (n,), generator=g) for n in (19, 12)]
+    anchors = [torch.tensor([4, 9, 15]), torch.tensor([2, 6, 10])]
+    with torch.no_grad():
+        alone = [torch.cat([dense_block_hidden(d, features(target, s, d.config.target_layer_ids), s, int(a))
+                            for a in an]) for s, an in zip(seqs, anchors)]
+        S = 19
+        ids = torch.zeros(2, S, dtype=torch.long)
+        ids[0], ids[1, :12] = seqs[0], seqs[1]
+        out = target(ids.view(-1), torch.arange(S).repeat(2), DenseAttentionContext(2, S),
+                     capture_layers=tuple(d.config.target_layer_ids))
+        ctx = d.context_features(out.captured)
+        cos, sin = rope_cos_sin(torch.arange(S).repeat(2), d.config.head_dim, d.config.rope_theta, ctx.dtype)
+        kv = [l.context_kv(ctx, cos, sin) for l in d.layers]
+        an = torch.stack(anchors)
+        attend = training_attention([k.view(2, S, *k.shape[1:]) for k, _ in kv],
+                                    [v.view(2, S, *v.shape[1:]) for _, v in kv], an, GAMMA)
+        block = torch.full((2, 3, GAMMA), d.config.mask_token_id)
+        block[:, :, 0] = torch.gather(ids, 1, an)
+        pos = an[:, :, None] + torch.arange(GAMMA)
+        h = d.backbone(block.reshape(-1), pos.reshape(-1), attend).view(2, 3 * GAMMA, -1)
+    for b in range(2):
+        torch.testing.assert_close(h[b], alone[b], atol=1e-5, rtol=1e-4)
