@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import torch
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    if "triton.language" in sys.modules:
-        # Triton's own @jit helpers (tl.max, tl.sum, tl.cdiv, ...) were already defined as
-        # compiled functions; the interpreter cannot call them.
-        warnings.warn("kernels: Triton was imported before `kernels` on a machine without CUDA; "
-                      "set TRITON_INTERPRET=1 before importing Triton to run the Triton kernels "
-                      "under the interpreter", RuntimeWarning, stacklevel=2)
-    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    # else: Triton's own @jit helpers (tl.max, tl.sum, ...) were already defined as compiled
+    # functions and the interpreter cannot call them; the engine refuses the triton backend on
+    # CPU then (engine.py), and the torch reference path is unaffected.
 
 from .reference import paged_attention_ref, store_kv_ref  # noqa: E402
 

@@ -437,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dspark", help="concurrency sweep: no speculation vs static vs compact")
     be.add_dspark_args(d)
     d.set_defaults(func=lambda a: be.dspark_bench(a) and 0)
+    pa = sub.add_parser("pareto", help="Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s")
+    be.add_pareto_args(pa)
+    pa.set_defaults(func=lambda a: be.pareto(a) and 0)
     return p
 
 

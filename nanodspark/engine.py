@@ -119,6 +119,12 @@ class GenerationOutput:
     spec: dict
 
 
+def _triton_interpreting() -> bool:
+    import os
+    import kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU while it still can)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -244,6 +250,9 @@ class LLMEngine:
         self.backend = cfg.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
+        if self.backend == "triton" and self.device.type != "cuda" and not _triton_interpreting():
+            raise ValueError("attention_backend='triton' needs CUDA (or, for tests, TRITON_INTERPRET=1 "
+                             "set before Triton is imported); use 'torch' on CPU")
         self.model_name = str(model_path or "default")  # the key of this model's cost table
         drafter = self._load_drafter(model_dir)
         num_blocks = self._num_kv_blocks(drafter)
@@ -470,6 +479,21 @@ class LLM:
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield the `RequestOutput`s of one request as its tokens are committed (a verify step
+        can commit several at once). Closing the iterator early aborts the request."""
+        eng = self.engine
+        req = eng.add_request(prompt, params, queue_limit=False)
+        try:
+            while req.status != Status.FINISHED:
+                for out in eng.step():
+                    if out.request_id == req.request_id:
+                        yield out
+        finally:
+            if req.status != Status.FINISHED:
+                eng.abort(req.request_id)
+            eng.release(req.request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[GenerationOutput]:

@@ -79,6 +79,14 @@ class Metrics:
             "accepted": Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r),
             "committed": Counter(p + "spec_committed_tokens", "Tokens committed by verify steps", registry=r),
         }
+        self.position_acceptance = Gauge(p + "spec_position_acceptance",
+                                         "Conditional acceptance of draft position k given k-1 accepted",
+                                         ["position"], registry=r)
+        self.online_ece = Gauge(p + "spec_online_ece", "Running ECE of the cumulative survival at position k",
+                                ["position"], registry=r)
+        self.step_time = Gauge(p + "spec_step_time_seconds",
+                               "Mean speculative step time: predicted by the cost table, measured",
+                               ["kind"], registry=r)
         self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
         self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
                                 buckets=WINDOW_BUCKETS, registry=r)
@@ -140,9 +148,27 @@ class Metrics:
         """Drop a request that never produced a finished output (refused or failed)."""
         self._live.pop(request_id, None)
 
-    def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict) -> None:
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict,
+                         spec_summary: dict | None = None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
+        if spec_summary:
+            self._set_spec_summary(spec_summary)
         for group, u in kv_usage.items():
             self.kv_blocks.labels(group, "used").set(u["used"])
             self.kv_blocks.labels(group, "free").set(u["free"])
+
+    def _set_spec_summary(self, summary: dict) -> None:
+        """Engine-level DSpark gauges (SpecDecoder.summary): per-position conditional acceptance,
+        online ECE of the cumulative survival, and the step time predicted by the cost table
+        next to the measured one."""
+        for k, a in enumerate(summary.get("position_acceptance") or []):
+            if a is not None:
+                self.position_acceptance.labels(str(k + 1)).set(a)
+        for k, e in enumerate(summary.get("online_ece") or []):
+            if e is not None:
+                self.online_ece.labels(str(k + 1)).set(e)
+        for kind in ("predicted", "measured"):
+            v = summary.get(f"step_time_{kind}_s")
+            if v is not None:
+                self.step_time.labels(kind).set(v)

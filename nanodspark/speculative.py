@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import time
+
+from .calibration import OnlineCalibrationMetrics
 from .cost_scheduler import CostScheduler
 from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
@@ -34,6 +37,7 @@ class SpecStepStats:
     accepted: int = 0
     committed: int = 0
     windows: list[int] = field(default_factory=list)
+    accepted_each: list[int] = field(default_factory=list)
     ceilings: list[int] = field(default_factory=list)   # cap-accept only
 
 
@@ -52,6 +56,8 @@ class SpecDecoder:
         self.position_accepts = [0] * self.gamma     # ... of which accepted
         self.last = SpecStepStats()
         self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified) per proposal
+        self.online = OnlineCalibrationMetrics(self.gamma)   # running ECE of the survivals (metrics)
+        self.step_times: list[tuple[float, float]] = []      # (predicted, measured) seconds, recent steps
 
     # -- slots for the confidence relay ------------------------------------------------------
     def slot_of(self, req) -> tuple[int, int]:
@@ -86,26 +92,29 @@ class SpecDecoder:
             return toks, probs
         return self.drafter.propose(anchors, pos, self.cache, bt, self.manager.block_size, sample_fn)
 
-    def windows(self, reqs, draft: Draft) -> list[int]:
+    def windows(self, reqs, draft: Draft) -> tuple[list[int], float]:
+        """Per-request windows and the cost table's predicted step time (nan without one)."""
         if self.window_fn is not None:
-            return list(self.window_fn(reqs, draft))
+            return list(self.window_fn(reqs, draft)), float("nan")
         if self.mode == "static":
-            return [self.gamma] * len(reqs)
+            return [self.gamma] * len(reqs), float("nan")
         ids = [self.slot_of(r) for r in reqs]
         plan = self.scheduler.plan(torch.tensor([i[0] for i in ids]), torch.tensor([i[1] for i in ids]),
                                    draft.confidence)
-        return plan.windows.tolist()
+        return plan.windows.tolist(), plan.predicted_step_time
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, eng, plan):
+        t0 = time.perf_counter()
         pre = [(r, n) for r, n in plan if not r.is_decoding]
         dec = [r for r, _ in plan if r.is_decoding]
         chunks = [eng.chunk_of(r, n) for r, n in pre]
         draft = self.draft(dec) if dec else None
-        limits, wins = [], []
+        limits, wins, predicted = [], [], float("nan")
         if dec:
-            for r, w in zip(dec, self.windows(dec, draft)):
+            windows, predicted = self.windows(dec, draft)
+            for r, w in zip(dec, windows):
                 room = min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.num_tokens) - 1
                 n_ver = min(w if self.mode == "compact" else self.gamma, room)
                 limits.append(n_ver)
@@ -131,8 +140,19 @@ class SpecDecoder:
             committed_rows.append(1 + vr.accepted)
             commits.append((r, vr.tokens))
         self._inject(chunks, starts, committed_rows, res)
+        if dec:
+            self._observe(draft, stats, limits)
+            self.step_times = (self.step_times + [(predicted, time.perf_counter() - t0)])[-256:]
         self.last = stats
         return commits
+
+    def _observe(self, draft: Draft, stats: SpecStepStats, limits: list[int]) -> None:
+        """Online calibration: survivals vs prefix-acceptance labels of the verified positions."""
+        k = torch.arange(self.gamma)
+        acc = torch.tensor(stats.accepted_each)
+        labels = (k[None, :] < acc[:, None]).float()
+        valid = k[None, :] < torch.tensor(stats.windows)[:, None]
+        self.online.update(draft.survival.float().cpu(), labels, valid)
 
     def _count(self, r, vr, window, n_ver, stats: SpecStepStats) -> None:
         verified = window if self.mode != "static" else n_ver
@@ -145,12 +165,26 @@ class SpecDecoder:
         stats.accepted += vr.accepted
         stats.committed += vr.accepted + 1
         stats.windows.append(verified)
+        stats.accepted_each.append(vr.accepted)
         if vr.ceiling is not None:
             stats.ceilings.append(vr.ceiling)
             r.spec.ceiling += vr.ceiling + 1
         for k in range(min(vr.accepted + 1, verified)):
             self.position_trials[k] += 1
             self.position_accepts[k] += int(k < vr.accepted)
+
+    def summary(self) -> dict:
+        """Engine-level DSpark metrics: per-position acceptance, online ECE, step time predicted
+        vs measured (the server exports these on /metrics)."""
+        pred = [p for p, _ in self.step_times if p == p]
+        meas = [m for p, m in self.step_times if p == p]
+        return {
+            "position_acceptance": [a / t if t else None for a, t in zip(self.position_accepts, self.position_trials)],
+            "online_ece": [None if e != e else float(e) for e in self.online.ece().tolist()],
+            "step_time_predicted_s": sum(pred) / len(pred) if pred else None,
+            "step_time_measured_s": (sum(meas) / len(meas) if meas else
+                                     (sum(m for _, m in self.step_times) / len(self.step_times) if self.step_times else None)),
+        }
 
     def _inject(self, chunks, starts, committed_rows, res) -> None:
         """Context K/V for every newly committed position (rows [0, committed) of each chunk)."""

@@ -3,8 +3,12 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# The Triton kernels run under the interpreter on CPU; the variable must be set before anything
+# imports Triton (kernels/__init__.py explains why).
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT / "nanodspark" / "assets" / "default" / "tokenizer.json"

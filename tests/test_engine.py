@@ -162,3 +162,27 @@ def test_max_tokens_and_eos(tiny_dir, ref_llm):
     finally:
         eng.eos_ids = saved
     assert o2.finish_reason == "stop" and o2.token_ids == out.token_ids[:out.token_ids.index(eos_tok) + 1]
+
+
+def test_triton_backend_equals_torch_backend(tiny_dir, ref_llm):
+    """The engine with the Triton kernels (the interpreter on CPU, native on a GPU) generates
+    the same greedy tokens as the reference attention path."""
+    ps = prompts(3, ref_llm.engine.model_config.vocab_size, seed=9, lo=5, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in ref_llm.generate(ps, params)]
+    tri = LLM(str(tiny_dir), use_tqdm=False, attention_backend="triton", block_size=8)
+    assert tri.engine.backend == "triton"
+    assert [o.token_ids for o in tri.generate(ps, params)] == want
+    check_no_leak(tri)
+
+
+def test_stream_yields_the_same_tokens_and_abort_on_close_frees_blocks(tiny_dir, ref_llm):
+    p = prompts(1, ref_llm.engine.model_config.vocab_size, seed=11)[0]
+    want = ref_llm.generate([p], GREEDY)[0].token_ids
+    outs = list(ref_llm.stream(p, GREEDY))
+    assert [t for o in outs for t in o.new_token_ids] == want and outs[-1].finished
+    it = ref_llm.stream(p, GREEDY)
+    next(it)
+    it.close()                      # the client went away: the request is aborted
+    assert not ref_llm.engine.has_unfinished()
+    check_no_leak(ref_llm)

@@ -459,6 +459,9 @@ def test_speculative_server_matches_target_and_reports_dspark_counters(tiny_dir,
         assert metric(s, "nanodspark_spec_verify_window_tokens_count") == steps
         committed = metric(s, "nanodspark_spec_committed_tokens_total")
         assert committed >= steps and metric(s, "nanodspark_spec_tau") == pytest.approx(committed / steps)
+        assert 0 <= s[("nanodspark_spec_position_acceptance", frozenset({("position", "1")}))] <= 1
+        assert 0 <= s[("nanodspark_spec_online_ece", frozenset({("position", "1")}))] <= 1
+        assert s[("nanodspark_spec_step_time_seconds", frozenset({("kind", "measured")}))] > 0
     finally:
         srv.stop()
 
