@@ -225,9 +225,11 @@ def dspark_bench(args) -> dict:
                     "tau": round(s["committed"] / max(1, s["steps"]), 3),
                     "ceiling_tau": round(s["ceiling"] / max(1, s["steps"]), 3),
                     "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
+    estimator = llm.engine.spec.summary()["ceiling"]
     result = {"benchmark": "dspark economics on the default pair (trained weights)", **environment(),
               "temperature": args.temperature, "max_tokens": args.max_tokens, "sweep": rows,
-              "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed},
+              "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed,
+                                           "block_accept_estimator": estimator},
               "cost_table": args.cost_table}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

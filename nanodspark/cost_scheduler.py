@@ -2,7 +2,7 @@
 
 Paper: DSpark §3.2.2 (Algorithm 1, the synchronous lossless rule, and Appendix A on why it
 stops early), §5.2 (production relay: budget from confidences two steps old, allocation by
-top-K over the fresh ones) and §6.5-style block-accept ceiling. Walkthrough: chapter 07.
+top-K over the fresh ones). The block-accept ceiling estimator lives in verify.py. Walkthrough: chapter 07.
 
 The idea
     Each request r has conditional confidences c_{r,1..gamma}; its survival a_{r,k} =
@@ -43,18 +43,14 @@ Defaults (the one place they are written down; every function takes them as para
     DEFAULT_REPEATS = 5          timed repetitions per (bs, K) in `profile_step_cost` (median)
     DEFAULT_WARMUP = 1           untimed calls per (bs, K) before the timed ones
     DEFAULT_FLAT_REL_TOL = 0.01  a table is flat if T(bs, K) varies by < 1 % over K at every bs
-    DEFAULT_WILSON_Z = 1.96      z of the Wilson intervals of the ceiling estimator (~95 %)
-    DEFAULT_CEILING_RECORDS = 4096  sliding window of the ceiling estimator, in records
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -68,8 +64,6 @@ DEFAULT_SURVIVAL_EPS = 1e-6
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 1
 DEFAULT_FLAT_REL_TOL = 0.01
-DEFAULT_WILSON_Z = 1.96
-DEFAULT_CEILING_RECORDS = 4096
 MODES = ("static", "compact", "cap-accept")
 
 
@@ -498,117 +492,3 @@ class CostScheduler:
     def record(self, step: int, slot_ids, generation_ids, conf) -> None:
         """Push a step's confidences into the relay (used by `plan(record=True)`)."""
         self.relay.push(step, slot_ids, generation_ids, conf)
-
-
-# =============================================================================================
-# block-accept ceiling: what a full-block verify would have accepted, despite trimming
-# =============================================================================================
-
-def wilson_interval(successes: int, n: int, z: float = DEFAULT_WILSON_Z) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion; (0, 1) when n == 0."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-@dataclass
-class CeilingEstimate:
-    """Full-block acceptance ceiling and how much of it trimming delivered.
-
-    Units are committed tokens per step (accepted drafts + 1 bonus).
-    ceiling: 1 + sum_k S_k, S_k = prod_{i<=k} p_i (Kaplan-Meier style); nan if some position
-        has never been observed. [lo, hi]: the same sum with each p_i at its Wilson bound.
-    delivered: mean committed tokens per step actually obtained.
-    utilisation: delivered / ceiling (share of the full-block acceptance kept by trimming).
-    window_ratio: (mean window + 1) / ceiling (verify rows spent per token the ceiling offers).
-    """
-    ceiling: float
-    lo: float
-    hi: float
-    conditional: list[float]
-    at_risk: list[int]
-    records: int
-    delivered: float
-    mean_window: float
-    utilisation: float
-    window_ratio: float
-
-
-class BlockAcceptEstimator:
-    """Estimates the acceptance a full-block verify would have had, from trimmed steps.
-
-    Each record is one request-step: the window verified, the drafts accepted, and optionally
-    `remainder`, the counterfactual verdicts for the trimmed positions window+1.. (obtained later
-    by comparing those drafts with what the target produced there, e.g. argmax agreement or a
-    rejection test on the target's logprobs). A position is *observed* when every earlier draft
-    was accepted and its own verdict is known; positions after a rejection are not at risk, and
-    positions after the last known verdict of a fully accepted window are censored.
-    Per position k: p_k = accepted_k / at_risk_k; the ceiling is the expected committed length
-    1 + sum_k prod_{i<=k} p_i. Honest caveats: censoring by the scheduler is informative (it
-    trims where confidence is low), so without remainders p_k at deep positions is biased up;
-    the [lo, hi] band multiplies per-position Wilson bounds, which is a plug-in band, not a joint
-    confidence interval. Memory: a sliding window of `max_records` records.
-    """
-
-    def __init__(self, gamma: int, max_records: int = DEFAULT_CEILING_RECORDS,
-                 z: float = DEFAULT_WILSON_Z):
-        self.gamma, self.z = gamma, z
-        self._records: deque = deque()
-        self.max_records = max_records
-        self.at_risk = [0] * gamma
-        self.accepted = [0] * gamma
-        self._sum_delivered = 0
-        self._sum_window = 0
-
-    def _chain(self, window: int, accepted: int, remainder) -> list[bool]:
-        """Observed verdicts for positions 1.. (stops after the first rejection or unknown)."""
-        if not 0 <= accepted <= window <= self.gamma:
-            raise ValueError(f"need 0 <= accepted <= window <= gamma, got {accepted}, {window}, {self.gamma}")
-        chain = [True] * accepted
-        if accepted < window:
-            return chain + [False]
-        for verdict in list(remainder or [])[: self.gamma - window]:
-            chain.append(bool(verdict))
-            if not verdict:
-                break
-        return chain
-
-    def _apply(self, chain: list[bool], window: int, accepted: int, sign: int) -> None:
-        for k, ok in enumerate(chain):
-            self.at_risk[k] += sign
-            self.accepted[k] += sign * int(ok)
-        self._sum_delivered += sign * (accepted + 1)
-        self._sum_window += sign * window
-
-    def record(self, window: int, accepted: int, remainder: Sequence[bool] | None = None) -> None:
-        """Add one request-step; the oldest record is dropped beyond `max_records`."""
-        chain = self._chain(window, accepted, remainder)
-        self._records.append((chain, window, accepted))
-        self._apply(chain, window, accepted, +1)
-        if len(self._records) > self.max_records:
-            self._apply(*self._records.popleft(), sign=-1)
-
-    def estimate(self) -> CeilingEstimate:
-        n = len(self._records)
-        p = [a / r if r else float("nan") for a, r in zip(self.accepted, self.at_risk)]
-        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted, self.at_risk)]
-
-        def expected_length(probs) -> float:
-            return 1.0 + float(np.sum(np.cumprod(probs))) if len(probs) else 1.0
-
-        ceiling = expected_length(p)
-        delivered = self._sum_delivered / n if n else float("nan")
-        mean_window = self._sum_window / n if n else float("nan")
-        return CeilingEstimate(
-            ceiling=ceiling,
-            lo=expected_length([b[0] for b in bounds]),
-            hi=expected_length([b[1] for b in bounds]),
-            conditional=p, at_risk=list(self.at_risk), records=n,
-            delivered=delivered, mean_window=mean_window,
-            utilisation=delivered / ceiling if n else float("nan"),
-            window_ratio=(mean_window + 1.0) / ceiling if n else float("nan"),
-        )

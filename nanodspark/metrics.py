@@ -87,6 +87,10 @@ class Metrics:
         self.step_time = Gauge(p + "spec_step_time_seconds",
                                "Mean speculative step time: predicted by the cost table, measured",
                                ["kind"], registry=r)
+        self.ceiling = Gauge(p + "spec_tokens_per_step", "Committed tokens per verify step: delivered, and "
+                             "the estimated full-block ceiling (block-accept estimator)", ["kind"], registry=r)
+        self.utilisation = Gauge(p + "spec_utilisation", "Delivered tokens per step / estimated ceiling",
+                                 registry=r)
         self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
         self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
                                 buckets=WINDOW_BUCKETS, registry=r)
@@ -168,6 +172,11 @@ class Metrics:
         for k, e in enumerate(summary.get("online_ece") or []):
             if e is not None:
                 self.online_ece.labels(str(k + 1)).set(e)
+        c = summary.get("ceiling")
+        if c:
+            self.ceiling.labels("ceiling").set(c["tau"])
+            self.ceiling.labels("delivered").set(c["delivered"])
+            self.utilisation.set(c["utilisation"])
         for kind in ("predicted", "measured"):
             v = summary.get(f"step_time_{kind}_s")
             if v is not None:

@@ -26,7 +26,7 @@ from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
 from .runner import Chunk
 from .sampling import target_probs
-from .verify import verify_block
+from .verify import BlockAcceptEstimator, verify_block
 
 
 @dataclass
@@ -57,6 +57,8 @@ class SpecDecoder:
         self.last = SpecStepStats()
         self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified) per proposal
         self.online = OnlineCalibrationMetrics(self.gamma)   # running ECE of the survivals (metrics)
+        self.ceiling = BlockAcceptEstimator(self.gamma)      # what full-block verify would have accepted
+        self.pending: dict[str, tuple] = {}  # request id -> (first position, trimmed drafts, window, accepted)
         self.step_times: list[tuple[float, float]] = []      # (predicted, measured) seconds, recent steps
 
     # -- slots for the confidence relay ------------------------------------------------------
@@ -68,6 +70,8 @@ class SpecDecoder:
         return self.slots[req.request_id]
 
     def release(self, req) -> None:
+        if req.request_id in self.pending:
+            self._settle(req, final=True)
         s = self.slots.pop(req.request_id, None)
         if s is not None:
             self.free_slots.append(s[0])
@@ -109,6 +113,9 @@ class SpecDecoder:
         t0 = time.perf_counter()
         pre = [(r, n) for r, n in plan if not r.is_decoding]
         dec = [r for r, _ in plan if r.is_decoding]
+        for r in dec:
+            if r.request_id in self.pending:
+                self._settle(r)
         chunks = [eng.chunk_of(r, n) for r, n in pre]
         draft = self.draft(dec) if dec else None
         limits, wins, predicted = [], [], float("nan")
@@ -134,6 +141,7 @@ class SpecDecoder:
             vr = verify_block(draft.tokens[i, :n_ver], probs, None if draft.probs is None else draft.probs[i, :n_ver],
                               wins[i], self.mode, r.params.greedy, r.generator)
             self._count(r, vr, wins[i], n_ver, stats)
+            self._track_ceiling(r, draft.tokens[i].tolist(), vr, wins[i], n_ver)
             if self.recorder is not None:
                 self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver))
             r.num_computed += 1 + vr.accepted
@@ -173,12 +181,43 @@ class SpecDecoder:
             self.position_trials[k] += 1
             self.position_accepts[k] += int(k < vr.accepted)
 
+    def _track_ceiling(self, r, drafts: list[int], vr, window: int, n_ver: int) -> None:
+        """Feed the block-accept estimator. cap-accept observes the ceiling directly; a trimmed
+        compact step whose window was fully accepted leaves its remaining drafts pending, to be
+        judged against the tokens the target commits at their positions (exact under greedy)."""
+        if self.mode == "static":      # static verifies (and may commit) all n_ver drafts
+            window = n_ver
+        if vr.ceiling is not None:
+            over = vr.ceiling - vr.accepted
+            self.ceiling.record(window, vr.accepted, [True] * over + [False] * (vr.ceiling < n_ver) if over >= 0 and
+                                vr.accepted == window else None)
+        elif self.mode == "compact" and vr.accepted == window < self.gamma:
+            self.pending[r.request_id] = (r.num_computed + window + 1, drafts[window:], window, vr.accepted)
+        else:
+            self.ceiling.record(window, vr.accepted)
+
+    def _settle(self, r, final: bool = False) -> None:
+        pos0, drafts, window, accepted = self.pending[r.request_id]
+        ids, verdicts = r.all_ids, []
+        for j, d in enumerate(drafts):
+            if pos0 + j >= len(ids):
+                break
+            verdicts.append(ids[pos0 + j] == d)
+            if not verdicts[-1]:
+                break
+        if final or len(verdicts) == len(drafts) or (verdicts and not verdicts[-1]):
+            del self.pending[r.request_id]
+            self.ceiling.record(window, accepted, verdicts)
+
     def summary(self) -> dict:
         """Engine-level DSpark metrics: per-position acceptance, online ECE, step time predicted
         vs measured (the server exports these on /metrics)."""
         pred = [p for p, _ in self.step_times if p == p]
         meas = [m for p, m in self.step_times if p == p]
+        est = self.ceiling.estimate()
         return {
+            "ceiling": None if est.records == 0 or est.ceiling != est.ceiling else {"tau": est.ceiling, "lo": est.lo, "hi": est.hi,
+                                                      "delivered": est.delivered, "utilisation": est.utilisation},
             "position_acceptance": [a / t if t else None for a, t in zip(self.position_accepts, self.position_trials)],
             "online_ece": [None if e != e else float(e) for e in self.online.ece().tolist()],
             "step_time_predicted_s": sum(pred) / len(pred) if pred else None,

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanodspark.cost_scheduler import (
-    BlockAcceptEstimator, ConfidenceRelay, CostScheduler, CostTable, algorithm1,
-    allocate_windows_topk, budget_from_lagged, descending_cells, force_monotone,
-    profile_step_cost, wilson_interval,
+    ConfidenceRelay, CostScheduler, CostTable, algorithm1, allocate_windows_topk,
+    budget_from_lagged, descending_cells, force_monotone, profile_step_cost,
 )
+from nanodspark.verify import BlockAcceptEstimator, wilson_interval
 
 
 # ---------------------------------------------------------------------------------------------

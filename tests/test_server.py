@@ -462,6 +462,7 @@ def test_speculative_server_matches_target_and_reports_dspark_counters(tiny_dir,
         assert 0 <= s[("nanodspark_spec_position_acceptance", frozenset({("position", "1")}))] <= 1
         assert 0 <= s[("nanodspark_spec_online_ece", frozenset({("position", "1")}))] <= 1
         assert s[("nanodspark_spec_step_time_seconds", frozenset({("kind", "measured")}))] > 0
+        assert 0 < s[("nanodspark_spec_utilisation", frozenset())] <= 1.0 + 1e-9
     finally:
         srv.stop()
 

@@ -132,3 +132,23 @@ def test_residual_is_renormalised():
     m, res = accept_sampling(torch.tensor([0]), q, p, torch.Generator().manual_seed(1))
     if m == 0:
         assert torch.allclose(res, torch.tensor([0.0, 1.0, 0.0]))
+
+
+@pytest.mark.parametrize("mode", ["compact", "cap-accept"])
+def test_block_accept_ceiling_sees_through_trimming(tiny_dir, drafter_dir, mode):
+    """With an oracle drafter every draft would be accepted by a full verify: however the windows
+    are trimmed, the estimated ceiling is gamma + 1 committed tokens per step, and what trimming
+    delivered is (mean window + 1)."""
+    llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode)
+    spec = llm.engine.spec
+    spec.__class__ = OracleSpec
+    spec.oracle = llm.engine.model
+    rng = random.Random(1)
+    spec.window_fn = lambda reqs, draft: [rng.randint(1, spec.gamma - 1) for _ in reqs]
+    ps = prompts(4, llm.engine.model_config.vocab_size, seed=3)
+    llm.generate(ps, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    est = spec.ceiling.estimate()
+    assert est.records > 10 and not spec.pending
+    assert est.ceiling == pytest.approx(spec.gamma + 1, abs=0.35)   # the last blocks are cut by max_tokens
+    assert est.utilisation < 0.8 and est.delivered == pytest.approx(est.mean_window + 1)
+    assert spec.summary()["ceiling"]["utilisation"] == est.utilisation
