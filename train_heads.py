@@ -190,7 +190,7 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
             bar.n = int(time.time() - start)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{logs['acc']:.3f}")
     bar.close()
-    drafter.save(out)
+    drafter.save(out, dtype=torch.bfloat16)
     return drafter.eval(), curve
 
 
@@ -252,7 +252,7 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     # ship the temperatures with the drafter
     d = Drafter.load(ddir, llm.engine.model)
     d.sts_temperature.copy_(temps.float())
-    d.save(ddir)
+    d.save(ddir, dtype=torch.bfloat16)
     save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps)
     return {"temperatures": [round(float(t), 4) for t in temps], "held_out_proposals": int(len(z_ev)),
             "fit_proposals": int(len(z_fit)), "calibration_temperature": args.calib_temperature,

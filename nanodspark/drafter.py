@@ -210,11 +210,13 @@ class Drafter(nn.Module):
         return Draft(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), z, conf)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, out_dir: str | Path) -> None:
+    def save(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors; `dtype` casts the weights (STS temperatures stay fp32)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2))
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v if dtype is None or k == "sts_temperature" else v.to(dtype)).detach().cpu().contiguous()
+                 for k, v in self.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
@@ -230,7 +232,7 @@ class Drafter(nn.Module):
         if max(cfg.target_layer_ids) >= tc.num_hidden_layers - 1:
             raise ValueError("the drafter reads a target layer the target does not have (or its last layer)")
         d = cls(cfg, target.model.embed_tokens, target.lm_head)
-        state = load_file(str(path / "model.safetensors"))
+        state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
         missing, unexpected = d.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
