@@ -186,3 +186,16 @@ def test_stream_yields_the_same_tokens_and_abort_on_close_frees_blocks(tiny_dir,
     it.close()                      # the client went away: the request is aborted
     assert not ref_llm.engine.has_unfinished()
     check_no_leak(ref_llm)
+
+
+def test_stop_strings_cut_the_text_and_finish(ref_llm):
+    if ref_llm.tokenizer is None:
+        pytest.skip("no tokenizer.json")
+    prompt = "The quick brown fox"
+    free = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    out = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[:free.text.index(stop)]
+    assert len(out.token_ids) < len(free.token_ids)
+    check_no_leak(ref_llm)
