@@ -263,6 +263,9 @@ class LLMEngine:
         if drafter is not None:
             managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
             self.spec = self._make_spec(drafter, managers["draft"], num_blocks)
+        if self._decode_rows() > cfg.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
+                             f"({self._decode_rows()} rows = anchor + gamma drafts)")
         self.scheduler = Scheduler(cfg, mc, managers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         self.default_generator = make_generator(cfg.seed, self.device, None)

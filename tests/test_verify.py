@@ -152,3 +152,8 @@ def test_block_accept_ceiling_sees_through_trimming(tiny_dir, drafter_dir, mode)
     assert est.ceiling == pytest.approx(spec.gamma + 1, abs=0.35)   # the last blocks are cut by max_tokens
     assert est.utilisation < 0.8 and est.delivered == pytest.approx(est.mean_window + 1)
     assert spec.summary()["ceiling"]["utilisation"] == est.utilisation
+
+
+def test_token_budget_must_hold_a_verify_window(tiny_dir, drafter_dir):
+    with pytest.raises(ValueError, match="verify window"):
+        LLM(str(tiny_dir), drafter_path=str(drafter_dir), max_num_batched_tokens=3)
