@@ -26,7 +26,7 @@ from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
 from .runner import Chunk
 from .sampling import target_probs
-from .verify import BlockAcceptEstimator, verify_block
+from .verify import BlockAcceptEstimator, verify_block, verify_greedy
 
 
 @dataclass
@@ -133,15 +133,21 @@ class SpecDecoder:
         commits = eng.sample_commits(pre, chunks[:len(pre)], res.logits, res.logit_offsets)
         committed_rows = [len(c.token_ids) for c in chunks[:len(pre)]]
         stats = SpecStepStats(requests=len(dec))
+        # One device->host copy for every greedy row of the step instead of one per request.
+        argmax = res.logits.argmax(-1).tolist() if any(r.params.greedy for r in dec) else None
+        draft_tokens = draft.tokens.tolist() if dec else []
         for i, r in enumerate(dec):
             j = len(pre) + i
             lo, hi = res.logit_offsets[j], res.logit_offsets[j + 1]
-            probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
             n_ver = limits[i]
-            vr = verify_block(draft.tokens[i, :n_ver], probs, None if draft.probs is None else draft.probs[i, :n_ver],
-                              wins[i], self.mode, r.params.greedy, r.generator)
+            if r.params.greedy:
+                vr = verify_greedy(draft_tokens[i][:n_ver], argmax[lo:hi], wins[i], self.mode)
+            else:
+                probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
+                vr = verify_block(draft.tokens[i, :n_ver], probs, draft.probs[i, :n_ver], wins[i], self.mode,
+                                  False, r.generator)
             self._count(r, vr, wins[i], n_ver, stats)
-            self._track_ceiling(r, draft.tokens[i].tolist(), vr, wins[i], n_ver)
+            self._track_ceiling(r, draft_tokens[i], vr, wins[i], n_ver)
             if self.recorder is not None:
                 self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver))
             r.num_computed += 1 + vr.accepted

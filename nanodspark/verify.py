@@ -79,6 +79,15 @@ def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     return m, (residual / mass if mass > 0 else p[m])
 
 
+def verify_greedy(drafts: list[int], target_argmax: list[int], window: int, mode: str) -> VerifyResult:
+    """Greedy verification on host lists: drafts [n_ver], target_argmax [rows] (the target's
+    choice after each verified row)."""
+    cap = len(drafts) if mode == "static" else window
+    m_full = accept_greedy(drafts, target_argmax)
+    m = min(m_full, cap)
+    return VerifyResult(drafts[:m] + [target_argmax[m]], m, m_full if mode == "cap-accept" else None)
+
+
 def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                  window: int, mode: str, greedy: bool, generator: torch.Generator | None) -> VerifyResult:
     """One request. drafts: [gamma]; target_probs: [rows, V] for the verified rows (rows = window+1
@@ -88,10 +97,8 @@ def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: 
     cap = window if mode != "static" else gamma
     d = drafts[:n_ver]
     if greedy:
-        t = target_probs.argmax(-1).tolist()
-        m_full = accept_greedy(d.tolist(), t)
-        m = min(m_full, cap)
-        return VerifyResult(d[:m].tolist() + [t[m]], m, m_full if mode == "cap-accept" else None)
+        return verify_greedy(d.tolist(), target_probs.argmax(-1).tolist(), window if mode != "static" else gamma,
+                             mode)
     m_full, residual = accept_sampling(d, draft_probs[:n_ver], target_probs, generator)
     m = min(m_full, cap)
     # A rejection inside the cap resamples from the residual; otherwise the next token comes from
