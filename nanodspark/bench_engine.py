@@ -205,15 +205,17 @@ def dspark_bench(args) -> dict:
                   kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=8192)
         tok = llm.tokenizer
         name = "no-spec" if drafter == "none" else mode
-        for c in args.concurrency:
-            n = max(c, args.min_requests)
-            ps = load_workload("mix", n=n, data_dir=args.data_dir)
-            prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
-            llm.engine.config.max_num_seqs = c
-            run_traffic(llm, prompts[:min(4, n)], [p.workload for p in ps][:4], params)  # warm-up
-            r = run_traffic(llm, prompts, [p.workload for p in ps], params)
-            rows.append({"mode": name, "concurrency": c, **r})
-            print(name, c, r["total_tok_s"], r["per_user_tok_s"], flush=True)
+        for wl in args.workloads:
+            for c in args.concurrency:
+                n = max(c, args.min_requests)
+                ps = load_workload(wl, n=n, data_dir=args.data_dir)
+                ps = (ps * (n // max(1, len(ps)) + 1))[:n]   # small sets repeat to fill the concurrency
+                prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
+                llm.engine.config.max_num_seqs = c
+                run_traffic(llm, prompts[:min(4, n)], [p.workload for p in ps][:4], params)  # warm-up
+                r = run_traffic(llm, prompts, [p.workload for p in ps], params)
+                rows.append({"mode": name, "workload": wl, "concurrency": c, **r})
+                print(name, wl, c, r["total_tok_s"], r["per_user_tok_s"], flush=True)
         del llm
     # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
     llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table,
@@ -234,9 +236,9 @@ def dspark_bench(args) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         pareto_png(result, str(Path(args.out).with_suffix(".png")))
-    print(f"\n{'mode':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
+    print(f"\n{'mode':8} {'workload':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
     for r in rows:
-        print(f"{r['mode']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
+        print(f"{r['mode']:8} {r['workload']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
     print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
     for w, m in mixed.items():
         print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")
@@ -256,6 +258,7 @@ def add_dspark_args(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--cost-table", default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"])
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -271,13 +274,13 @@ def add_dspark_args(p) -> None:
 PARETO_COLORS = {"no-spec": (90, 90, 90), "static": (200, 60, 40), "compact": (40, 90, 200)}
 
 
-def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40) -> None:
+def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40, workload: str = "mix") -> None:
     """Per-user tok/s (x) against total tok/s (y), one polyline per mode over the concurrency
     sweep: grey = no speculation, red = static, blue = compact. Axes start at 0; no text (the
     JSON next to it has the numbers)."""
     import numpy as np
     from .calibration import write_png
-    rows = result["sweep"]
+    rows = [r for r in result["sweep"] if r.get("workload", "mix") == workload]
     xmax = max(r["per_user_tok_s"] for r in rows) * 1.1
     ymax = max(r["total_tok_s"] for r in rows) * 1.1
     img = np.full((size, size, 3), 255, dtype=np.uint8)
