@@ -1,0 +1,29 @@
+"""The benchmark harness runs end to end on a tiny model (no timing is asserted: the figures
+only mean something on the GPU, where `python -m nanodspark.bench ...` produces them)."""
+import json
+import shutil
+import types
+
+from nanodspark import bench_engine as be
+
+from test_verify import make_drafter
+
+
+def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path):
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    table = tmp_path / "cost.json"
+    be.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
+                                     out=str(table)))
+    assert str(model) in next(iter(json.loads(table.read_text())))
+    out = tmp_path / "dspark.json"
+    res = be.dspark_bench(types.SimpleNamespace(
+        model=str(model), cost_table=str(table), concurrency=[1, 2], workloads=["mix", "math"], min_requests=2,
+        max_tokens=4, prompt_tokens=32, temperature=0.0, mixed_concurrency=2, mixed_requests=4, data_dir=None,
+        kv_gb=0.05, out=str(out)))
+    assert {(r["mode"], r["workload"], r["concurrency"]) for r in res["sweep"]} == {
+        (m, w, c) for m in ("no-spec", "static", "compact") for w in ("mix", "math") for c in (1, 2)}
+    assert all(r["tokens"] == max(r["concurrency"], 2) * 4 for r in res["sweep"])  # ignore_eos, 4 tokens each
+    assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
+    assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
