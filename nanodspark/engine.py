@@ -263,9 +263,9 @@ class LLMEngine:
         if drafter is not None:
             managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
             self.spec = self._make_spec(drafter, managers["draft"], num_blocks)
-        if self._decode_rows() > cfg.max_num_batched_tokens:
+        if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
-                             f"({self._decode_rows()} rows = anchor + gamma drafts)")
+                             f"({self.decode_rows} rows = anchor + gamma drafts)")
         self.scheduler = Scheduler(cfg, mc, managers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         self.default_generator = make_generator(cfg.seed, self.device, None)
@@ -332,7 +332,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
                              "(prompt plus at least one new token)")
-        worst = min(len(ids) + params.max_tokens, self.max_model_len) + self._decode_rows()
+        worst = min(len(ids) + params.max_tokens, self.max_model_len) + self.decode_rows
         for bm in self.scheduler.managers.values():
             if bm.blocks_for(worst) > bm.num_blocks:
                 raise ValueError(f"request needs up to {bm.blocks_for(worst)} KV blocks, the cache has "
@@ -365,12 +365,14 @@ class LLMEngine:
         return {g: dict(used=bm.num_used_blocks, free=bm.num_free_blocks, total=bm.num_blocks)
                 for g, bm in self.scheduler.managers.items()}
 
-    def _decode_rows(self) -> int:
+    @property
+    def decode_rows(self) -> int:
+        """Slots a decoding request reserves per step: 1, or anchor + gamma drafts with a drafter."""
         return 1 + (self.spec.gamma if self.spec else 0)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(self._decode_rows())     # choose
+        plan = self.scheduler.schedule(self.decode_rows)     # choose
         if not plan:
             return []
         if self.spec is not None:

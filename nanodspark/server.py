@@ -399,7 +399,7 @@ class OpenAIServer:
         # The longest prompt + output the KV cache can ever hold (add_request refuses more);
         # it bounds the default max_tokens of chat. Read once, before the engine thread starts.
         kv_tokens = min(bm.num_blocks for bm in engine.scheduler.managers.values()) * engine.config.block_size
-        self.max_request_tokens = min(self.max_model_len, kv_tokens - engine._decode_rows())
+        self.max_request_tokens = min(self.max_model_len, kv_tokens - engine.decode_rows)
         self.max_queue = max_queue or engine.config.max_num_seqs + engine.config.max_waiting
         self.metrics = Metrics()
         self.loop = EngineLoop(engine, self.metrics)
