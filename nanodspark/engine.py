@@ -81,7 +81,6 @@ class Request:
     emitted: int = 0                      # characters of `text` already streamed
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     finish_time: float | None = None
 
     @property
@@ -424,8 +423,6 @@ class LLMEngine:
                 reason = "length"
                 break
         req.output_ids += accepted
-        if accepted and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
         for g, t in req.tables.items():
             bm = sched.managers[g]
             bm.truncate(t, min(t.num_tokens, req.num_tokens))  # drop rejected speculative slots

@@ -36,7 +36,6 @@ class Chunk:
 class ForwardResult:
     logits: torch.Tensor               # [N, V] fp32, rows in chunk order as asked by logit_rows
     logit_offsets: list[int]           # chunk i owns logits[logit_offsets[i]:logit_offsets[i+1]]
-    hidden: torch.Tensor               # [T, H] final hidden states of every row
     captured: list[torch.Tensor] = field(default_factory=list)  # [T, H] per captured layer
     cu_seqlens: list[int] = field(default_factory=list)         # row offsets of the chunks
 
@@ -90,4 +89,4 @@ class ModelRunner:
                 rows.append(cu[i + 1] - 1)
             offsets.append(len(rows))
         logits = self.model.compute_logits(out.hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
-        return ForwardResult(logits, offsets, out.hidden, out.captured, cu)
+        return ForwardResult(logits, offsets, out.captured, cu)

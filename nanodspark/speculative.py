@@ -38,7 +38,6 @@ class SpecStepStats:
     committed: int = 0
     windows: list[int] = field(default_factory=list)
     accepted_each: list[int] = field(default_factory=list)
-    ceilings: list[int] = field(default_factory=list)   # cap-accept only
 
 
 class SpecDecoder:
@@ -54,7 +53,6 @@ class SpecDecoder:
         self.generation = [0] * max_slots
         self.position_trials = [0] * self.gamma      # verified drafts at position k
         self.position_accepts = [0] * self.gamma     # ... of which accepted
-        self.last = SpecStepStats()
         self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified) per proposal
         self.online = OnlineCalibrationMetrics(self.gamma)   # running ECE of the survivals (metrics)
         self.ceiling = BlockAcceptEstimator(self.gamma)      # what full-block verify would have accepted
@@ -87,7 +85,11 @@ class SpecDecoder:
         params = [r.params for r in reqs]
         gens = [r.generator for r in reqs]
 
+        all_greedy = all(p.greedy for p in params)
+
         def sample_fn(logits, k):
+            if all_greedy:  # no distribution needed: verification compares argmaxes
+                return logits.argmax(-1), None
             probs = target_probs(logits, params)
             toks = probs.argmax(-1)
             for i, p in enumerate(params):
@@ -155,12 +157,11 @@ class SpecDecoder:
             commits.append((r, vr.tokens))
         self._inject(chunks, starts, committed_rows, res)
         if dec:
-            self._observe(draft, stats, limits)
+            self._observe(draft, stats)
             self.step_times = (self.step_times + [(predicted, time.perf_counter() - t0)])[-256:]
-        self.last = stats
         return commits
 
-    def _observe(self, draft: Draft, stats: SpecStepStats, limits: list[int]) -> None:
+    def _observe(self, draft: Draft, stats: SpecStepStats) -> None:
         """Online calibration: survivals vs prefix-acceptance labels of the verified positions."""
         k = torch.arange(self.gamma)
         acc = torch.tensor(stats.accepted_each)
@@ -181,7 +182,6 @@ class SpecDecoder:
         stats.windows.append(verified)
         stats.accepted_each.append(vr.accepted)
         if vr.ceiling is not None:
-            stats.ceilings.append(vr.ceiling)
             r.spec.ceiling += vr.ceiling + 1
         for k in range(min(vr.accepted + 1, verified)):
             self.position_trials[k] += 1

@@ -114,10 +114,22 @@ def test_markov_head_conditions_each_slot_on_the_sampled_previous_token(target):
 
 def test_sts_temperature_scales_the_confidence(target):
     d = make(target)
-    z = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    d.sts_temperature.copy_(torch.tensor([1.0, 2.0, 4.0, 0.5]))
-    want = torch.sigmoid(z / d.sts_temperature)
-    torch.testing.assert_close(torch.sigmoid(z / d.sts_temperature[None]), want)
+    bs = 4
+    cache = torch.randn(d.config.num_layers, 2, 4, bs, d.config.num_key_value_heads, d.config.head_dim)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+
+    def propose():
+        with torch.no_grad():
+            return d.propose(torch.tensor([11]), torch.tensor([9]), cache, table, bs,
+                             lambda z, k: (z.argmax(-1), None))
+    raw = propose()
+    torch.testing.assert_close(raw.confidence, torch.sigmoid(raw.conf_logits))   # identity until calibrated
+    temps = torch.tensor([1.0, 2.0, 4.0, 0.5])
+    d.sts_temperature.copy_(temps)
+    cal = propose()
+    torch.testing.assert_close(cal.conf_logits, raw.conf_logits)                  # STS changes no logit
+    torch.testing.assert_close(cal.confidence, torch.sigmoid(raw.conf_logits / temps))
+    assert not torch.allclose(cal.confidence[0, 1:], raw.confidence[0, 1:])
 
 
 def test_save_load_roundtrip_and_errors(target, tmp_path):

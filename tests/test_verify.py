@@ -150,11 +150,11 @@ def test_cap_accept_commits_what_compact_would():
 
 
 def test_residual_is_renormalised():
-    p = torch.tensor([[0.5, 0.5, 0.0], [1 / 3] * 3])
-    q = torch.tensor([[1.0, 0.0, 0.0]])
+    p = torch.tensor([[0.0, 0.6, 0.4], [1 / 3] * 3])
+    q = torch.tensor([[0.5, 0.5, 0.0]])
     m, res = accept_sampling(torch.tensor([0]), q, p, torch.Generator().manual_seed(1))
-    if m == 0:
-        assert torch.allclose(res, torch.tensor([0.0, 1.0, 0.0]))
+    assert m == 0  # p(d) = 0: always rejected
+    assert torch.allclose(res, torch.tensor([0.0, 0.2, 0.8]))  # norm(max(0, p - q))
 
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
