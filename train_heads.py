@@ -154,7 +154,10 @@ def _rope(drafter, positions, dtype):
     return rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, dtype)
 
 
-def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds: float, out: Path, name: str):
+def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds: float, out: Path, name: str,
+                  max_steps: int = 0):
+    """Train for `seconds` (or exactly `max_steps` optimiser steps when given); the learning-rate
+    schedule runs over whichever budget is set, so a step-matched run has the same schedule."""
     from tqdm import tqdm
     device = next(target.parameters()).device
     torch.manual_seed(args.seed)
@@ -167,12 +170,13 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     it = batches(list(data), args.batch, rng)
     curve, step, start = [], 0, time.time()
-    bar = tqdm(total=int(seconds), desc=f"train {name} (s)", unit="s")
+    bar = tqdm(total=max_steps or int(seconds), desc=f"train {name}", unit="step" if max_steps else "s")
     for p in target.parameters():
         p.requires_grad_(False)
+    max_steps = max_steps or args.max_steps
     while True:
-        frac = (time.time() - start) / seconds
-        if frac >= 1 or (args.max_steps and step >= args.max_steps):
+        frac = step / max_steps if max_steps else (time.time() - start) / seconds
+        if frac >= 1:
             break
         lr = args.lr * (frac / 0.04 if frac < 0.04 else 0.5 * (1 + math.cos(math.pi * (frac - 0.04) / 0.96)))
         for g in opt.param_groups:
@@ -187,9 +191,12 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
         if step % 10 == 0 or step == 1:
             curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss.detach()), 4),
                           **{k: round(v, 4) for k, v in logs.items()}})
-            bar.n = int(time.time() - start)
+            bar.n = step if max_steps else int(time.time() - start)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{logs['acc']:.3f}")
     bar.close()
+    if not curve or curve[-1]["step"] != step:
+        curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss.detach()), 4),
+                      **{k: round(v, 4) for k, v in logs.items()}})
     drafter.save(out, dtype=torch.bfloat16)
     return drafter.eval(), curve
 
@@ -214,11 +221,31 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     steps = sum(o.spec["steps"] for o in outs)
     tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
     cond = [a / t if t else None for a, t in zip(spec.position_accepts, spec.position_trials)]
-    return z, labels, valid, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond}
+    rep = repeated_ngram_fraction([(p, o.token_ids) for p, o in zip(prompts, outs)])
+    return z, labels, valid, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond,
+                              "repeated_4gram_fraction": round(rep, 4)}
 
 
-def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir) -> list[list[int]]:
-    from nanodspark.workloads import load_workload
+def repeated_ngram_fraction(pairs, n: int = 4) -> float:
+    """Share of generated n-grams already seen earlier in the prompt or output: how repetitive
+    (hence how easy to draft) the target's text is on a workload."""
+    seen_total = total = 0
+    for prompt, out in pairs:
+        ids = list(prompt) + list(out)
+        seen = {tuple(ids[i:i + n]) for i in range(len(prompt) - n + 1)}
+        for i in range(max(len(prompt), n) - n + 1, len(ids) - n + 1):
+            g = tuple(ids[i:i + n])
+            seen_total += g in seen
+            total += 1
+            seen.add(g)
+    return seen_total / total if total else 0.0
+
+
+def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir, at_most: bool = False) -> list[list[int]]:
+    """n prompts of a workload (`at_most`: all of them if it has fewer, e.g. chat has 80)."""
+    from nanodspark.workloads import load_workload, workload_size
+    if at_most:
+        n = min(n, workload_size(name, data_dir))
     return [tok.encode(p.render()) for p in load_workload(name, n=n, data_dir=data_dir)]
 
 
@@ -237,13 +264,13 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
 
 
 def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
-    llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=128, use_tqdm=False)
+    llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=256, use_tqdm=False)
     prompts = []
     for wl in ("math", "chat", "poetry", "code"):
-        prompts += workload_prompts(tok, wl, args.calib_n, args.data_dir)
+        prompts += workload_prompts(tok, wl, args.calib_n, args.data_dir, at_most=True)
     random.Random(args.seed).shuffle(prompts)
     half = len(prompts) // 2
-    params = SamplingParams(temperature=args.calib_temperature, max_tokens=args.eval_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.calib_temperature, max_tokens=args.calib_tokens, seed=args.seed)
     z_fit, y_fit, v_fit, _ = record_spec(llm, prompts[:half], params)
     z_ev, y_ev, v_ev, _ = record_spec(llm, prompts[half:], params)
     temps = fit_sts(z_fit, y_fit, v_fit)
@@ -278,12 +305,17 @@ def main(argv=None):
     ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--gen-temperature", type=float, default=0.8)
     ap.add_argument("--seconds", type=float, default=150, help="DSpark training budget")
-    ap.add_argument("--dflash-seconds", type=float, default=90, help="DFlash ablation budget (0 = skip)")
-    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--dflash", choices=("steps", "seconds", "off"), default="steps",
+                    help="DFlash ablation: as many optimiser steps as DSpark took (default), "
+                         "--dflash-seconds of training, or none")
+    ap.add_argument("--dflash-seconds", type=float, default=90, help="DFlash budget when --dflash seconds")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop DSpark after this many steps (0 = time budget)")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--calib-n", type=int, default=40, help="prompts per workload for STS (half fit, half eval)")
+    ap.add_argument("--calib-n", type=int, default=200,
+                    help="prompts per workload for STS, at most all of it (half fit, half held out)")
+    ap.add_argument("--calib-tokens", type=int, default=256, help="tokens generated per calibration prompt")
     ap.add_argument("--calib-temperature", type=float, default=1.0)
     ap.add_argument("--eval-n", type=int, default=40)
     ap.add_argument("--eval-tokens", type=int, default=96)
@@ -301,10 +333,11 @@ def main(argv=None):
     data_path = out / "data.json"
     if "data" in phases:
         data = build_data(args, tok)
-        data_path.write_text(json.dumps(data))
+        data_path.write_text(json.dumps(data, separators=(",", ":")))
         report["data"] = {"sequences": len(data), "response_tokens": sum(len(d["response"]) for d in data),
                           "seconds": round(time.time() - t0, 1)}
         print(report["data"], flush=True)
+        save_report(out, report)
     dirs = {"dspark": out / "dspark", "dflash": out / "dflash"}
     if "train" in phases:
         data = json.loads(data_path.read_text())
@@ -314,22 +347,35 @@ def main(argv=None):
         dcfg = DrafterConfig.for_target(target.config, markov_rank=args.markov_rank, **base)
         d, curve = train_drafter(args, target, data, dcfg, LOSS_ALPHA, args.seconds, dirs["dspark"], "dspark")
         report["dspark"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
-                            "config": vars(dcfg)}
-        if args.dflash_seconds > 0:
+                            "config": vars(dcfg), "steps": curve[-1]["step"]}
+        save_report(out, report)
+        if args.dflash != "off":
             fcfg = DrafterConfig.for_target(target.config, markov_rank=0, confidence=False, **base)
-            d, curve = train_drafter(args, target, data, fcfg, DFLASH_ALPHA, args.dflash_seconds, dirs["dflash"], "dflash")
-            report["dflash"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve}
+            steps = curve[-1]["step"] if args.dflash == "steps" else 0
+            d, curve = train_drafter(args, target, data, fcfg, DFLASH_ALPHA, args.dflash_seconds, dirs["dflash"],
+                                     "dflash", max_steps=steps)
+            report["dflash"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
+                                "steps": curve[-1]["step"], "budget": args.dflash}
+            save_report(out, report)
         del target
     if "calibrate" in phases:
         report["calibration"] = calibrate(args, dirs["dspark"], tok, out)
+        save_report(out, report)
     if "eval" in phases:
         report["tau"] = evaluate(args, {k: v for k, v in dirs.items() if (v / "config.json").exists()}, tok)
     report["seconds"] = round(time.time() - t0, 1)
-    prev = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
-    prev.update(report)
-    (out / "report.json").write_text(json.dumps(prev, indent=1, default=str))
-    print_summary(prev)
-    return prev
+    merged = save_report(out, report)
+    print_summary(merged)
+    return merged
+
+
+def save_report(out: Path, report: dict) -> dict:
+    """Merge into out/report.json after every phase, so an interrupted run keeps what it finished."""
+    path = out / "report.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(report)
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    return merged
 
 
 def print_summary(r: dict) -> None:

@@ -179,7 +179,10 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
         llm.engine.step()
     wall = time.perf_counter() - t
     toks = sum(len(r.output_ids) for r in reqs)
-    per_user = [len(r.output_ids) / max(1e-9, r.finish_time - r.arrival) for r in reqs]
+    # per-user speed = decode rate after the first token (1 / time per output token): queueing
+    # before admission and the prefill are excluded, so c=1 with queued requests is not penalised
+    per_user = [(len(r.output_ids) - 1) / max(1e-9, r.finish_time - r.first_token_time) for r in reqs
+                if len(r.output_ids) > 1]
     by_wl = {}
     for r, w in zip(reqs, workloads):
         s = by_wl.setdefault(w, {"steps": 0, "verified": 0, "committed": 0, "ceiling": 0, "requests": 0})
@@ -192,6 +195,14 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
             "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl}
 
 
+def bench_prompts(workload: str, n: int, data_dir=None) -> list:
+    """n prompts of a workload; a workload with fewer (chat has 80) repeats to fill n."""
+    from .workloads import load_workload, workload_size
+    size = n if workload == "mix" else min(n, workload_size(workload, data_dir))
+    ps = load_workload(workload, n=size, data_dir=data_dir)
+    return (ps * (n // max(1, len(ps)) + 1))[:n]
+
+
 def dspark_bench(args) -> dict:
     from . import LLM, SamplingParams
     from .workloads import load_workload
@@ -202,23 +213,26 @@ def dspark_bench(args) -> dict:
     for drafter, mode in modes:
         llm = LLM(args.model, drafter_path=None if drafter == "default" else "none", verify_mode=mode,
                   cost_table=args.cost_table, max_num_seqs=max(args.concurrency), use_tqdm=False,
-                  kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=8192)
+                  kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=8192, enable_prefix_cache=False)
         tok = llm.tokenizer
         name = "no-spec" if drafter == "none" else mode
         for wl in args.workloads:
             for c in args.concurrency:
                 n = max(c, args.min_requests)
-                ps = load_workload(wl, n=n, data_dir=args.data_dir)
-                ps = (ps * (n // max(1, len(ps)) + 1))[:n]   # small sets repeat to fill the concurrency
+                ps = bench_prompts(wl, n, args.data_dir)
                 prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
                 llm.engine.config.max_num_seqs = c
                 run_traffic(llm, prompts[:min(4, n)], [p.workload for p in ps][:4], params)  # warm-up
-                r = run_traffic(llm, prompts, [p.workload for p in ps], params)
-                rows.append({"mode": name, "workload": wl, "concurrency": c, **r})
+                runs = [run_traffic(llm, prompts, [p.workload for p in ps], params) for _ in range(args.repeats)]
+                r = sorted(runs, key=lambda x: x["total_tok_s"])[len(runs) // 2]   # the median run
+                rows.append({"mode": name, "workload": wl, "concurrency": c, **r,
+                             "repeats_total_tok_s": [x["total_tok_s"] for x in runs]})
                 print(name, wl, c, r["total_tok_s"], r["per_user_tok_s"], flush=True)
+                if args.out:  # keep what is measured if the run is cut short
+                    Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows}))
         del llm
     # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
-    llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table,
+    llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
               max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
     ps = load_workload("mix", n=args.mixed_requests, data_dir=args.data_dir)
     r = run_traffic(llm, [tok.encode(p.render())[-args.prompt_tokens:] for p in ps], [p.workload for p in ps], params)
@@ -260,6 +274,7 @@ def add_dspark_args(p) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"])
     p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="runs per point; the median run is reported")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

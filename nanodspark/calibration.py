@@ -25,6 +25,7 @@ Definitions (all on the cumulative survival vs the prefix label, per position)
     ECE     sum_b (n_b / N) * |mean_pred_b - mean_label_b| over equal-width bins on [0, 1]
     AUROC   Mann-Whitney statistic with average ranks for ties; nan when one class is absent
     Brier   mean (pred - label)^2
+    ECE floor  the ECE a perfectly calibrated predictor shows at the same N (sampling noise)
 
 Defaults (the one place they are written down; every function takes them as parameters)
     N_BINS = 20                 equal-width ECE / reliability bins (DeepSpec's evaluator)
@@ -77,6 +78,19 @@ def ece(pred, label, n_bins: int = N_BINS) -> float:
     b = _bin_index(p, n_bins)
     gap = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, b, p - y)
     return float(gap.abs().sum() / p.numel())
+
+
+def ece_noise_floor(pred, n_bins: int = N_BINS, draws: int = 32, seed: int = 0) -> float:
+    """The ECE a *perfectly* calibrated predictor would show with these predictions and this
+    sample size (labels drawn as Bernoulli(pred), mean over `draws`). Binned ECE is biased
+    upward by sampling noise (about 0.4 * sqrt(n_bins / N)); a measured ECE near this floor
+    means "calibrated within what the sample can resolve"."""
+    p = _f64(pred).flatten()
+    if p.numel() == 0:
+        return float("nan")
+    g = torch.Generator().manual_seed(seed)
+    p = p.clamp(0.0, 1.0)
+    return sum(ece(p, torch.bernoulli(p, generator=g), n_bins) for _ in range(draws)) / draws
 
 
 def auroc(pred, label) -> float:
@@ -199,6 +213,7 @@ class PositionMetrics:
     brier: float
     mean_pred: float
     mean_observed: float
+    ece_floor: float = float("nan")   # ECE of a perfectly calibrated predictor at this count
 
 
 def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[PositionMetrics]:
@@ -212,7 +227,8 @@ def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[Pos
         out.append(PositionMetrics(
             count=n, ece=ece(pk, yk, n_bins), auroc=auroc(pk, yk), brier=brier(pk, yk),
             mean_pred=float(pk.mean()) if n else float("nan"),
-            mean_observed=float(yk.mean()) if n else float("nan")))
+            mean_observed=float(yk.mean()) if n else float("nan"),
+            ece_floor=ece_noise_floor(pk, n_bins)))
     return out
 
 
@@ -234,12 +250,13 @@ class CalibrationReport:
         """A plain-text table, one line per position."""
         head = (f"{'pos':>3} {'T':>7} {'n':>7} | {'ECE raw':>8} {'ECE sts':>8} | {'AUROC raw':>9} "
                 f"{'AUROC sts':>9} | {'Brier raw':>9} {'Brier sts':>9} | {'pred raw':>8} "
-                f"{'pred sts':>8} {'observed':>8}")
+                f"{'pred sts':>8} {'observed':>8} | {'ECE floor':>9}")
         lines = [head, "-" * len(head)]
         for k, (t, b, a) in enumerate(zip(self.temperatures, self.before, self.after)):
             lines.append(f"{k + 1:>3} {t:>7.3f} {b.count:>7d} | {b.ece:>8.4f} {a.ece:>8.4f} | "
                          f"{b.auroc:>9.4f} {a.auroc:>9.4f} | {b.brier:>9.4f} {a.brier:>9.4f} | "
-                         f"{b.mean_pred:>8.4f} {a.mean_pred:>8.4f} {b.mean_observed:>8.4f}")
+                         f"{b.mean_pred:>8.4f} {a.mean_pred:>8.4f} {b.mean_observed:>8.4f} | "
+                         f"{a.ece_floor:>9.4f}")
         lines.append(f"mean ECE (count-weighted): raw {self.mean_ece('before'):.4f} -> "
                      f"STS {self.mean_ece('after'):.4f}")
         return "\n".join(lines)

@@ -35,7 +35,7 @@ from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache
 from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
 from .runner import Chunk, ModelRunner
-from .sampling import SamplingParams, make_generator, sample_from, target_probs
+from .sampling import SamplingParams, make_generator, sample_tokens, target_probs
 from .swa_replay import plan_replay
 
 
@@ -81,6 +81,7 @@ class Request:
     emitted: int = 0                      # characters of `text` already streamed
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None  # when the first output token was committed (TTFT)
     finish_time: float | None = None
 
     @property
@@ -403,8 +404,8 @@ class LLMEngine:
             else:
                 commits.append((req, []))
         if reqs:
-            probs = target_probs(logits[rows], [r.params for r in reqs])
-            toks = sample_from(probs, [r.generator for r in reqs])
+            params = [r.params for r in reqs]
+            toks = sample_tokens(target_probs(logits[rows], params), params, [r.generator for r in reqs]).tolist()
             commits += [(r, [t]) for r, t in zip(reqs, toks)]
         return commits
 
@@ -422,6 +423,8 @@ class LLMEngine:
                     req.num_tokens + len(accepted) >= self.max_model_len:
                 reason = "length"
                 break
+        if accepted and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         req.output_ids += accepted
         for g, t in req.tables.items():
             bm = sched.managers[g]

@@ -51,45 +51,61 @@ class SamplingParams:
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Row i of `logits` [N, V] -> the distribution request params[i] samples from (fp32).
 
-    Greedy rows and plain-temperature rows are done as one batched op each; only rows with
-    top-k or top-p need their own pass."""
+    Batched over rows: greedy rows are one-hot; the other rows are scaled by their own
+    temperature, then top-k and top-p are applied to every row at once (one sort) with
+    per-row limits (top_k 0 and top_p 1 keep everything)."""
     z = logits.float()
     out = torch.empty_like(z)
-    dev = z.device
+    dev, V = z.device, z.shape[-1]
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    plain = [i for i, p in enumerate(params) if not p.greedy and not p.top_k and p.top_p >= 1]
+    rest = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
         g = torch.tensor(greedy, device=dev)
-        out[g] = torch.nn.functional.one_hot(z[g].argmax(-1), z.shape[-1]).float()
-    if plain:
-        idx = torch.tensor(plain, device=dev)
-        temp = torch.tensor([params[i].temperature for i in plain], device=dev)
-        out[idx] = torch.softmax(z[idx] / temp[:, None], dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy and (p.top_k or p.top_p < 1):
-            out[i] = _one_row(z[i], p)
+        out[g] = torch.nn.functional.one_hot(z[g].argmax(-1), V).float()
+    if rest:
+        idx = torch.tensor(rest, device=dev)
+        ps = [params[i] for i in rest]
+        zz = z[idx] / torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+        if any(p.top_k or p.top_p < 1 for p in ps):
+            zz = _top_k_top_p(zz, ps)
+        out[idx] = torch.softmax(zz, dim=-1)
     return out
 
 
-def _one_row(z: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    if p.greedy:
-        return torch.nn.functional.one_hot(z.argmax(), z.shape[-1]).float()
-    z = z / p.temperature
-    if p.top_k and p.top_k < z.shape[-1]:
-        kth = torch.topk(z, p.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    probs = torch.softmax(z, dim=-1)
-    if p.top_p < 1:
-        sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # keep tokens until the mass before them reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p * keep)
-        probs = probs / probs.sum()
-    return probs
+def _top_k_top_p(z: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what top-k and then top-p remove, row by row, in one sort."""
+    dev, V = z.device, z.shape[-1]
+    sorted_z, order = z.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)
+    kth = sorted_z.gather(1, (k - 1)[:, None])
+    sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))   # ties with the k-th survive
+    probs = torch.softmax(sorted_z, dim=-1)
+    top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+    drop = probs.cumsum(-1) - probs >= top_p    # keep tokens until the mass before them reaches top_p
+    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+    return torch.full_like(z, float("-inf")).scatter_(1, order, sorted_z)
 
 
-def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `probs` [N, V], each row with its own generator."""
-    return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generators)]
+def sample_tokens(probs: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [N, V] (a device tensor; the caller syncs once).
+
+    Greedy rows take the argmax. Rows that share a generator (the engine's default one) are
+    drawn in one call; a request with its own seed draws from its own generator, so its tokens
+    do not depend on the rest of the batch."""
+    toks = probs.argmax(-1)
+    groups: dict[int, list[int]] = {}
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            groups.setdefault(id(g), []).append(i)
+    for rows in groups.values():
+        g = generators[rows[0]]
+        if len(rows) == 1:
+            toks[rows[0]] = torch.multinomial(probs[rows[0]], 1, generator=g)[0]
+        else:
+            idx = torch.tensor(rows, device=probs.device)
+            toks[idx] = torch.multinomial(probs[idx], 1, generator=g)[:, 0]
+    return toks
 
 
 def make_generator(seed: int | None, device: torch.device, fallback: torch.Generator) -> torch.Generator:

@@ -25,7 +25,7 @@ from .cost_scheduler import CostScheduler
 from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
 from .runner import Chunk
-from .sampling import target_probs
+from .sampling import sample_tokens, target_probs
 from .verify import BlockAcceptEstimator, verify_block, verify_greedy
 
 
@@ -91,11 +91,7 @@ class SpecDecoder:
             if all_greedy:  # no distribution needed: verification compares argmaxes
                 return logits.argmax(-1), None
             probs = target_probs(logits, params)
-            toks = probs.argmax(-1)
-            for i, p in enumerate(params):
-                if not p.greedy:
-                    toks[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
-            return toks, probs
+            return sample_tokens(probs, params, gens), probs
         return self.drafter.propose(anchors, pos, self.cache, bt, self.manager.block_size, sample_fn)
 
     def windows(self, reqs, draft: Draft) -> tuple[list[int], float]:

@@ -259,6 +259,13 @@ def _seeded_order(items: list[Prompt], name: str, seed: int) -> list[Prompt]:
     return [items[i] for i in order]
 
 
+def workload_size(name: str, data_dir: str | os.PathLike | None = None) -> int:
+    """How many prompts the workload has in all (the largest `n` load_workload accepts)."""
+    if name not in _LOADERS:
+        raise ValueError(f"unknown single workload {name!r}; choose one of {', '.join(_LOADERS)}")
+    return len(_LOADERS[name](data_dir))
+
+
 def load_workload(name: str, n: int | None = None, seed: int = 0,
                   data_dir: str | os.PathLike | None = None) -> list[Prompt]:
     """A fixed, seeded subset of `n` prompts of the workload `name` (default sizes in DEFAULT_SIZES).

@@ -21,9 +21,15 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     res = be.dspark_bench(types.SimpleNamespace(
         model=str(model), cost_table=str(table), concurrency=[1, 2], workloads=["mix", "math"], min_requests=2,
         max_tokens=4, prompt_tokens=32, temperature=0.0, mixed_concurrency=2, mixed_requests=4, data_dir=None,
-        kv_gb=0.05, out=str(out)))
+        kv_gb=0.05, out=str(out), repeats=2))
     assert {(r["mode"], r["workload"], r["concurrency"]) for r in res["sweep"]} == {
         (m, w, c) for m in ("no-spec", "static", "compact") for w in ("mix", "math") for c in (1, 2)}
     assert all(r["tokens"] == max(r["concurrency"], 2) * 4 for r in res["sweep"])  # ignore_eos, 4 tokens each
+    assert all(len(r["repeats_total_tok_s"]) == 2 and r["total_tok_s"] in r["repeats_total_tok_s"] for r in res["sweep"])
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_prompts_fill_a_concurrency_larger_than_the_workload():
+    ps = be.bench_prompts("chat", 200)               # chat has 80 prompts
+    assert len(ps) == 200 and len({p.render() for p in ps}) == 80 and ps[80].render() == ps[0].render()

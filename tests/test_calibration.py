@@ -173,3 +173,15 @@ def test_reliability_png_is_a_valid_png(tmp_path):
     idat_len = struct.unpack(">I", data[33:37])[0]
     raw = zlib.decompress(data[41:41 + idat_len])
     assert len(raw) == height * (1 + 3 * width)
+
+
+def test_ece_noise_floor_tracks_sampling_noise():
+    from nanodspark.calibration import ece_noise_floor
+    g = torch.Generator().manual_seed(5)
+    for n in (500, 8000):
+        p = torch.rand(n, generator=g, dtype=torch.float64)
+        y = torch.bernoulli(p, generator=g)          # calibrated by construction
+        floor = ece_noise_floor(p)
+        assert 0.5 * floor < ece(p, y) < 2.0 * floor   # a calibrated predictor sits at the floor
+    assert ece_noise_floor(p[:500]) > 2.5 * ece_noise_floor(p)   # ~ 1 / sqrt(N)
+    assert ece(p, torch.bernoulli((p * 0.7), generator=g)) > 5 * ece_noise_floor(p)  # real miscalibration is above it

@@ -21,7 +21,7 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
     out = tmp_path / "run"
     report = train_heads.main(["--target", str(tiny_dir), "--corpus", str(corpus), "--out", str(out),
                                "--phases", "data,train", "--n-prompts", "6", "--gen-tokens", "10",
-                               "--gen-batch", "6", "--seconds", "60", "--dflash-seconds", "0",
+                               "--gen-batch", "6", "--seconds", "60",
                                "--max-steps", "2", "--batch", "2", "--anchors", "4", "--gamma", "3",
                                "--layers", "1", "--markov-rank", "8", "--intermediate", "32"])
     assert report["data"]["sequences"] > 0
@@ -29,8 +29,18 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
     assert curve and all(torch.isfinite(torch.tensor(c["loss"])) for c in curve)
     cfg = json.loads((out / "dspark" / "config.json").read_text())
     assert cfg["gamma"] == 3 and cfg["markov_rank"] == 8
+    # the DFlash ablation is step-matched by default and has neither Markov head nor confidence
+    assert report["dspark"]["steps"] == report["dflash"]["steps"] == 2
+    fcfg = json.loads((out / "dflash" / "config.json").read_text())
+    assert fcfg["markov_rank"] == 0 and not fcfg["confidence"]
+    assert json.loads((out / "report.json").read_text())["dflash"]["steps"] == 2
     d = Drafter.load(out / "dspark", load_model(tiny_dir))
     assert d.config.gamma == 3
     llm = LLM(str(tiny_dir), drafter_path=str(out / "dspark"), use_tqdm=False)
     o = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert len(o.token_ids) == 6 and o.spec["steps"] > 0
+
+
+def test_repeated_ngram_fraction():
+    assert train_heads.repeated_ngram_fraction([([1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4])]) == 5 / 8
+    assert train_heads.repeated_ngram_fraction([([9, 8, 7, 6], [1, 2, 3, 4, 5])]) == 0.0
