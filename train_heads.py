@@ -254,7 +254,7 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
     for name, ddir in drafter_dirs.items():
         llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=128, use_tqdm=False)
         for wl in ("math", "chat", "poetry", "code"):
-            prompts = workload_prompts(tok, wl, args.eval_n, args.data_dir)
+            prompts = workload_prompts(tok, wl, args.eval_n, args.data_dir, at_most=True)
             for temp in (0.0, 1.0):
                 params = SamplingParams(temperature=temp, max_tokens=args.eval_tokens, seed=args.seed)
                 _, _, _, m = record_spec(llm, prompts, params)
@@ -317,7 +317,7 @@ def main(argv=None):
                     help="prompts per workload for STS, at most all of it (half fit, half held out)")
     ap.add_argument("--calib-tokens", type=int, default=256, help="tokens generated per calibration prompt")
     ap.add_argument("--calib-temperature", type=float, default=1.0)
-    ap.add_argument("--eval-n", type=int, default=40)
+    ap.add_argument("--eval-n", type=int, default=40, help="prompts per workload for tau (at most all of it)")
     ap.add_argument("--eval-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -66,7 +66,10 @@ LOG2E = 1.4426950408889634
 POISON_SCRATCH = False
 
 
-@triton.jit
+# Integers that change with the batch (split count, block-table width, scratch strides) are not
+# specialised on: Triton would otherwise compile a new variant whenever one of them becomes 1 or
+# a multiple of 16, which shows up as a latency spike the first time a batch shape is seen.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt", "stride_ps", "stride_ls"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
     bt_ptr, cu_q_ptr, kv_lens_ptr, kv_start_ptr,
@@ -184,7 +187,7 @@ def _paged_attention_kernel(
         tl.store(po + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, o_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,

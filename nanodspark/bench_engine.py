@@ -155,6 +155,50 @@ def engine_step_runner(llm, context_len: int):
     return run_step
 
 
+def whole_step_runner(llm, context_len: int):
+    """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
+    K (`SpecDecoder.window_fn` forces them): draft, verify, acceptance, sampling, KV injection and
+    bookkeeping, everything the cost scheduler actually trades against. Requests are created
+    (prompt of `context_len` random tokens, prefilled untimed) when bs changes; each timed step
+    commits tokens, so the context grows by a few hundred tokens over one batch size's grid."""
+    import random
+    from .sampling import SamplingParams
+    eng, spec = llm.engine, llm.engine.spec
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    state = {"bs": None, "ids": []}
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - context_len - 1),
+                            ignore_eos=True)
+
+    def reset(bs: int) -> None:
+        for rid in state["ids"]:
+            eng.abort(rid)
+        eng.config.max_num_seqs = max(eng.config.max_num_seqs, bs)
+        vocab = eng.model_config.vocab_size
+        state["ids"] = [eng.add_request([rng.randrange(vocab) for _ in range(context_len)], params,
+                                        queue_limit=False).request_id for _ in range(bs)]
+        spec.window_fn = lambda reqs, draft: [spec.gamma] * len(reqs)
+        sched = eng.scheduler
+        while any(not r.is_decoding for r in sched.running) or sched.waiting:   # prefill, untimed
+            eng.step()
+        state["bs"] = bs
+
+    def run_step(bs: int, k: int) -> None:
+        if state["bs"] != bs:
+            reset(bs)
+        spec.window_fn = lambda reqs, draft: [k // len(reqs) + (1 if r < k % len(reqs) else 0)
+                                              for r in range(len(reqs))]
+        eng.step()
+        sync()
+
+    def close() -> None:
+        for rid in state["ids"]:
+            eng.abort(rid)
+        spec.window_fn = None
+    run_step.close = close
+    return run_step
+
+
 def profile(args) -> dict:
     from . import LLM
     from .cost_scheduler import profile_step_cost
@@ -162,10 +206,18 @@ def profile(args) -> dict:
     if llm.engine.spec is None:
         raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
     g = llm.engine.spec.gamma
-    table = profile_step_cost(engine_step_runner(llm, args.context), args.batch_sizes,
-                              lambda bs: sorted({0, bs // 2, bs, bs * g // 2, bs * g}), repeats=args.repeats,
-                              model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
-                              device=llm.engine.device.type)
+    if args.scope == "whole":
+        llm.engine.spec.mode = "compact"        # windows below gamma are verified as given
+        runner = whole_step_runner(llm, args.context)
+    else:
+        runner = engine_step_runner(llm, args.context)
+    try:
+        table = profile_step_cost(runner, args.batch_sizes,
+                                  lambda bs: sorted({0, bs // 2, bs, bs * g // 2, bs * g}), repeats=args.repeats,
+                                  model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
+                                  device=llm.engine.device.type)
+    finally:
+        getattr(runner, "close", lambda: None)()
     table.save(args.out)
     print(f"saved {args.out}; flat={table.is_flat()}")
     return table.to_json()
@@ -222,7 +274,9 @@ def dspark_bench(args) -> dict:
                 ps = bench_prompts(wl, n, args.data_dir)
                 prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
                 llm.engine.config.max_num_seqs = c
-                run_traffic(llm, prompts[:min(4, n)], [p.workload for p in ps][:4], params)  # warm-up
+                # warm-up with the same traffic: Triton compiles a kernel variant per new shape
+                # class (tile sizes, split count), which would otherwise land in the first timed run
+                run_traffic(llm, prompts, [p.workload for p in ps], params)
                 runs = [run_traffic(llm, prompts, [p.workload for p in ps], params) for _ in range(args.repeats)]
                 r = sorted(runs, key=lambda x: x["total_tok_s"])[len(runs) // 2]   # the median run
                 rows.append({"mode": name, "workload": wl, "concurrency": c, **r,
@@ -263,6 +317,8 @@ def add_profile_args(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--scope", choices=("whole", "forward"), default="whole",
+                   help="time a whole engine step (default) or only the draft + verify forward")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--out", default="cost_table.json")
@@ -296,6 +352,9 @@ def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40, workl
     import numpy as np
     from .calibration import write_png
     rows = [r for r in result["sweep"] if r.get("workload", "mix") == workload]
+    if not rows:  # a sweep without the mix: draw its first workload
+        first = result["sweep"][0].get("workload", "mix")
+        rows = [r for r in result["sweep"] if r.get("workload", "mix") == first]
     xmax = max(r["per_user_tok_s"] for r in rows) * 1.1
     ymax = max(r["total_tok_s"] for r in rows) * 1.1
     img = np.full((size, size, 3), 255, dtype=np.uint8)

@@ -119,12 +119,13 @@ class SpecDecoder:
         limits, wins, predicted = [], [], float("nan")
         if dec:
             windows, predicted = self.windows(dec, draft)
-            for r, w in zip(dec, windows):
+            drafts = draft.tokens.tolist()          # one device->host copy for the whole batch
+            for r, w, d in zip(dec, windows, drafts):
                 room = min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.num_tokens) - 1
                 n_ver = min(w if self.mode == "compact" else self.gamma, room)
                 limits.append(n_ver)
                 wins.append(min(w, n_ver))
-                chunks.append(Chunk(r.tables, r.num_computed, [r.all_ids[-1]] + draft.tokens[len(wins) - 1, :n_ver].tolist(),
+                chunks.append(Chunk(r.tables, r.num_computed, [r.all_ids[-1]] + d[:n_ver],
                                     "all", r.replay_until, r.kv_start))
         res = eng.runner.forward(chunks, capture_layers=self.capture)
         starts = [c.start for c in chunks]

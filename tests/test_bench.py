@@ -15,7 +15,7 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     make_drafter(model, model / "drafter")
     table = tmp_path / "cost.json"
     be.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
-                                     out=str(table)))
+                                     out=str(table), scope="forward"))
     assert str(model) in next(iter(json.loads(table.read_text())))
     out = tmp_path / "dspark.json"
     res = be.dspark_bench(types.SimpleNamespace(
@@ -33,3 +33,34 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
 def test_bench_prompts_fill_a_concurrency_larger_than_the_workload():
     ps = be.bench_prompts("chat", 200)               # chat has 80 prompts
     assert len(ps) == 200 and len({p.render() for p in ps}) == 80 and ps[80].render() == ps[0].render()
+
+
+def test_pareto_png_draws_a_sweep_without_the_mix(tmp_path):
+    rows = [{"mode": m, "workload": "math", "concurrency": c, "per_user_tok_s": 10.0 * c, "total_tok_s": 50.0 * c}
+            for m in ("no-spec", "static", "compact") for c in (1, 4)]
+    be.pareto_png({"sweep": rows}, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir, tmp_path):
+    """The whole-step profiler times engine.step() with exactly K verified drafts over bs requests,
+    and leaves the engine empty (no request, no block) when it is done."""
+    from nanodspark import LLM
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=3, kv_cache_memory_gb=0.05)
+    spec, eng = llm.engine.spec, llm.engine
+    spec.mode = "compact"
+    run = be.whole_step_runner(llm, context_len=20)
+    running = eng.scheduler.running
+    for bs in (3, 1):
+        run(bs, 0)                                   # a new batch size builds and prefills its batch
+        for k in (0, 2, bs * spec.gamma):
+            before = sum(r.spec.verified for r in running)
+            run(bs, k)
+            assert len(running) == bs and all(r.is_decoding for r in running)
+            assert sum(r.spec.verified for r in running) - before == k
+    run.close()
+    assert not eng.has_unfinished() and spec.window_fn is None
+    assert all(u["used"] == 0 for u in eng.kv_usage().values())

@@ -21,5 +21,7 @@ def test_named_files_and_modules_exist(path):
     text = path.read_text()
     for rel in set(re.findall(r"`((?:nanodspark|kernels|tests)/[\w/]+\.py)`", text)):
         assert (ROOT / rel).exists(), f"{path.name} names {rel}, which does not exist"
+    for rel in set(re.findall(r"(benchmarks/[\w/.-]+\.(?:json|png|txt))", text)):
+        assert (ROOT / rel).exists(), f"{path.name} cites {rel}, which is not committed"
     for mod in set(re.findall(r"python3? -m (nanodspark(?:\.\w+)+)", text)):
         assert (ROOT / (mod.replace(".", "/") + ".py")).exists(), f"{path.name} runs {mod}, which does not exist"
