@@ -25,3 +25,13 @@ def test_named_files_and_modules_exist(path):
         assert (ROOT / rel).exists(), f"{path.name} cites {rel}, which is not committed"
     for mod in set(re.findall(r"python3? -m (nanodspark(?:\.\w+)+)", text)):
         assert (ROOT / (mod.replace(".", "/") + ".py")).exists(), f"{path.name} runs {mod}, which does not exist"
+
+
+def test_shipped_file_hashes_match_chapter_04():
+    import hashlib
+    text = (ROOT / "walkthrough" / "04_default_model.md").read_text()
+    listed = re.findall(r"^([0-9a-f]{64})  (\S+)$", text, flags=re.M)
+    assert len(listed) >= 8
+    for digest, rel in listed:
+        path = ROOT / "nanodspark" / "assets" / "default" / rel
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, f"{rel} changed; update chapter 04"
