@@ -81,7 +81,9 @@ def _top_k_top_p(z: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))   # ties with the k-th survive
     probs = torch.softmax(sorted_z, dim=-1)
     top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
-    drop = probs.cumsum(-1) - probs >= top_p    # keep tokens until the mass before them reaches top_p
+    # keep tokens until the mass before them reaches top_p; rows with top_p = 1 keep everything
+    # (a rounded cumsum can pass 1.0 before the tail, which must not cut a plain row's tail)
+    drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
     sorted_z = sorted_z.masked_fill(drop, float("-inf"))
     return torch.full_like(z, float("-inf")).scatter_(1, order, sorted_z)
 

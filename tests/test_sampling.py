@@ -66,3 +66,12 @@ def test_sample_tokens_follows_the_distribution_and_greedy_is_argmax():
     assert (rows[:, 1] == 0).all()                       # greedy row: argmax every time
     freq = torch.bincount(rows[:, 0], minlength=3).float() / len(rows)
     assert torch.allclose(freq, probs[0], atol=0.03), freq
+
+
+def test_rows_without_top_p_keep_their_whole_tail_when_batched_with_top_p_rows():
+    V = 4096
+    z = -torch.arange(V, dtype=torch.float32).repeat(2, 1) * 1e-3
+    z[:, 0] = 30.0                                 # almost all mass on one token, a long distinct tail
+    got = target_probs(z, [SamplingParams(temperature=1.0, top_k=V - 1), SamplingParams(temperature=1.0, top_p=0.5)])
+    assert (got[0] > 0).sum() == V - 1             # top-k only: nothing but the k-th cut
+    assert (got[1] > 0).sum() == 1
