@@ -78,7 +78,7 @@ def build_data(args, tok: Tokenizer) -> list[dict]:
     prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed)
     llm = LLM(args.target, drafter_path="none", max_num_seqs=args.gen_batch, use_tqdm=True,
               max_num_batched_tokens=8192)
-    params = SamplingParams(temperature=args.gen_temperature, top_p=0.95, max_tokens=args.gen_tokens, seed=None)
+    params = SamplingParams(temperature=args.gen_temperature, top_p=args.gen_top_p, max_tokens=args.gen_tokens, seed=None)
     ids = [tok.encode(p)[-args.max_prompt_tokens:] for p in prompts]
     outs = llm.generate(ids, params)
     data = [{"prompt": p, "response": o.token_ids} for p, o in zip(ids, outs) if len(o.token_ids) >= 8]
@@ -303,7 +303,8 @@ def main(argv=None):
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=160)
     ap.add_argument("--gen-batch", type=int, default=256)
-    ap.add_argument("--gen-temperature", type=float, default=0.8)
+    ap.add_argument("--gen-temperature", type=float, default=0.8, help="sampling temperature of the target's responses")
+    ap.add_argument("--gen-top-p", type=float, default=0.95, help="top-p of the target's responses")
     ap.add_argument("--seconds", type=float, default=150, help="DSpark training budget")
     ap.add_argument("--dflash", choices=("steps", "seconds", "off"), default="steps",
                     help="DFlash ablation: as many optimiser steps as DSpark took (default), "
