@@ -13,7 +13,9 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    `exp(-k/4)`, only over a valid prefix): `0.1 * CE + 0.9 * L1(p_draft, p_target) +
    1.0 * BCE(confidence, 1 - L1/2 detached)`. The Markov head is teacher-forced. AdamW,
    warm-up + cosine over a time budget, bf16 autocast on GPU, a progress bar, safetensors
-   checkpoints. The same run trains the DFlash ablation (no Markov head, no confidence, CE only).
+   checkpoints; resumable (`--resume` continues from `out/<drafter>/train_state.*`, written every
+   `--ckpt-every` seconds, and ends exactly where an uninterrupted run would). The same run
+   trains the DFlash ablation (no Markov head, no confidence, CE only), step-matched by default.
 3. `calibrate` — speculative decoding with full-block verification on held-out prompts records
    raw confidence logits and prefix-acceptance labels; `calibration.fit_sts` fits one
    temperature per position on one half, and the report measures ECE/AUROC/Brier on the other.
@@ -87,11 +89,19 @@ def build_data(args, tok: Tokenizer) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- 2. training
-def batches(data, batch: int, rng: random.Random):
-    while True:
-        rng.shuffle(data)
-        for i in range(0, len(data) - batch + 1, batch):
-            yield data[i:i + batch]
+def batch_at(data: list, batch: int, seed: int, step: int, _cache: dict = {}) -> list:
+    """The sequences of optimiser step `step`. Epoch e is a permutation of the data seeded by
+    (seed, e), so the batches depend only on the step number and a resumed run sees exactly the
+    batches an uninterrupted one would."""
+    per_epoch = max(1, len(data) // batch)
+    epoch, i = divmod(step, per_epoch)
+    key = (id(data), len(data), seed, epoch)
+    if key not in _cache:
+        _cache.clear()
+        order = list(range(len(data)))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        _cache[key] = order
+    return [data[j] for j in _cache[key][i * batch:(i + 1) * batch]]
 
 
 def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
@@ -157,7 +167,12 @@ def _rope(drafter, positions, dtype):
 def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds: float, out: Path, name: str,
                   max_steps: int = 0):
     """Train for `seconds` (or exactly `max_steps` optimiser steps when given); the learning-rate
-    schedule runs over whichever budget is set, so a step-matched run has the same schedule."""
+    schedule runs over whichever budget is set, so a step-matched run has the same schedule.
+
+    Resumable: every `--ckpt-every` seconds and at the end the full training state (weights,
+    AdamW moments, step, elapsed time, anchor RNG, curve) goes to `out/train_state.*`; with
+    `--resume` a run continues from it and ends bit-for-bit where an uninterrupted run would
+    (the batches depend only on the step number, see `batch_at`)."""
     from tqdm import tqdm
     device = next(target.parameters()).device
     torch.manual_seed(args.seed)
@@ -167,22 +182,29 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
             torch.nn.init.normal_(p, std=0.02)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    it = batches(list(data), args.batch, rng)
-    curve, step, start = [], 0, time.time()
+    gen = torch.Generator().manual_seed(args.seed)
+    max_steps = max_steps or args.max_steps
+    budget = {"max_steps": max_steps} if max_steps else {"seconds": seconds}
+    curve, step, elapsed = [], 0, 0.0
+    if args.resume and (out / "train_state.json").exists():
+        step, elapsed, curve = load_train_state(out, drafter, opt, gen, budget)
+        print(f"resumed {name} at step {step} ({elapsed:.0f} s done)", flush=True)
+    start = time.time() - elapsed
+    last_ckpt = time.time()
     bar = tqdm(total=max_steps or int(seconds), desc=f"train {name}", unit="step" if max_steps else "s")
     for p in target.parameters():
         p.requires_grad_(False)
-    max_steps = max_steps or args.max_steps
+    loss, logs = torch.tensor(float("nan")), {}
     while True:
         frac = step / max_steps if max_steps else (time.time() - start) / seconds
-        if frac >= 1:
+        if frac >= 1 or (args.stop_at_step and step >= args.stop_at_step):
             break
         lr = args.lr * (frac / 0.04 if frac < 0.04 else 0.5 * (1 + math.cos(math.pi * (frac - 0.04) / 0.96)))
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, logs = drafter_loss(drafter, target, next(it), dcfg.gamma, args.anchors, alpha, device, gen)
+            loss, logs = drafter_loss(drafter, target, batch_at(data, args.batch, args.seed, step), dcfg.gamma,
+                                      args.anchors, alpha, device, gen)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -193,12 +215,53 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
                           **{k: round(v, 4) for k, v in logs.items()}})
             bar.n = step if max_steps else int(time.time() - start)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{logs['acc']:.3f}")
+        if args.ckpt_every and time.time() - last_ckpt >= args.ckpt_every:
+            save_train_state(out, drafter, opt, gen, step, time.time() - start, curve, budget)
+            last_ckpt = time.time()
     bar.close()
-    if not curve or curve[-1]["step"] != step:
+    if logs and (not curve or curve[-1]["step"] != step):
         curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(float(loss.detach()), 4),
                       **{k: round(v, 4) for k, v in logs.items()}})
+    if args.ckpt_every or args.stop_at_step:
+        save_train_state(out, drafter, opt, gen, step, time.time() - start, curve, budget)
     drafter.save(out, dtype=torch.bfloat16)
     return drafter.eval(), curve
+
+
+def save_train_state(out: Path, drafter, opt, gen, step: int, elapsed: float, curve: list, budget: dict) -> None:
+    """Weights (fp32), AdamW moments and the anchor RNG as safetensors; counters as JSON."""
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"anchor_rng": gen.get_state()}
+    for n, p in drafter.named_parameters():
+        if not p.requires_grad:
+            continue
+        tensors[f"param.{n}"] = p.detach().float().cpu().contiguous()
+        for k, v in opt.state.get(p, {}).items():
+            tensors[f"adam.{k}.{n}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    save_file(tensors, str(out / "train_state.safetensors"))
+    (out / "train_state.json").write_text(json.dumps({"step": step, "elapsed": elapsed, "budget": budget,
+                                                      "curve": curve}))
+
+
+def load_train_state(out: Path, drafter, opt, gen, budget: dict) -> tuple[int, float, list]:
+    from safetensors.torch import load_file
+    meta = json.loads((out / "train_state.json").read_text())
+    if meta["budget"] != budget:
+        raise SystemExit(f"{out}: the saved run had budget {meta['budget']}, this one {budget}; "
+                         "resume with the same --seconds / --max-steps")
+    t = load_file(str(out / "train_state.safetensors"))
+    gen.set_state(t["anchor_rng"])
+    for n, p in drafter.named_parameters():
+        if not p.requires_grad:
+            continue
+        with torch.no_grad():
+            p.copy_(t[f"param.{n}"])
+        state = {k.split(".", 2)[1]: v.to(p.device) if v.dim() else v
+                 for k, v in t.items() if k.startswith("adam.") and k.split(".", 2)[2] == n}
+        if state:
+            opt.state[p] = state
+    return meta["step"], meta["elapsed"], meta["curve"]
 
 
 # ----------------------------------------------------------------------------- 3-4. calibrate, evaluate
@@ -311,6 +374,11 @@ def main(argv=None):
                          "--dflash-seconds of training, or none")
     ap.add_argument("--dflash-seconds", type=float, default=90, help="DFlash budget when --dflash seconds")
     ap.add_argument("--max-steps", type=int, default=0, help="stop DSpark after this many steps (0 = time budget)")
+    ap.add_argument("--ckpt-every", type=float, default=60.0,
+                    help="seconds between training-state checkpoints (0 = none; needed for --resume)")
+    ap.add_argument("--resume", action="store_true", help="continue each drafter from its out/*/train_state.*")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="stop (and checkpoint) at this step without finishing the schedule: a pre-emption drill")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
     ap.add_argument("--lr", type=float, default=1e-3)

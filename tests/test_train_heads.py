@@ -44,3 +44,32 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
 def test_repeated_ngram_fraction():
     assert train_heads.repeated_ngram_fraction([([1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4])]) == 5 / 8
     assert train_heads.repeated_ngram_fraction([([9, 8, 7, 6], [1, 2, 3, 4, 5])]) == 0.0
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_dir, tmp_path):
+    """Pre-empt training at step 2 of 4, resume, and get the very weights of a 4-step run
+    (weights, AdamW moments, LR schedule, batches and anchor RNG are all restored)."""
+    from safetensors.torch import load_file
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    doc = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
+    with lzma.open(corpus / "code.txt.xz", "wt") as f:
+        f.write("<|endoftext|>".join(doc * (i % 3 + 1) for i in range(8)) + "<|endoftext|>")
+    common = ["--target", str(tiny_dir), "--corpus", str(corpus), "--n-prompts", "20", "--gen-tokens", "12",
+              "--gen-batch", "8", "--max-steps", "4", "--batch", "2", "--anchors", "3", "--gamma", "3",
+              "--layers", "1", "--markov-rank", "8", "--intermediate", "32", "--dflash", "off"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_heads.main(common + ["--out", str(a), "--phases", "data"])
+    b.mkdir()
+    (b / "data.json").write_text((a / "data.json").read_text())
+    train_heads.main(common + ["--out", str(a), "--phases", "train"])
+    train_heads.main(common + ["--out", str(b), "--phases", "train", "--stop-at-step", "2"])
+    assert json.loads((b / "dspark" / "train_state.json").read_text())["step"] == 2
+    at2 = load_file(str(b / "dspark" / "train_state.safetensors"))
+    rep = train_heads.main(common + ["--out", str(b), "--phases", "train", "--resume"])
+    assert rep["dspark"]["steps"] == 4
+    wa, wb = load_file(str(a / "dspark" / "train_state.safetensors")), load_file(str(b / "dspark" / "train_state.safetensors"))
+    assert wa.keys() == wb.keys() and any(k.startswith("adam.exp_avg.") for k in wa)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(wa[k], at2[k]) for k in wa if k.startswith("param."))   # steps 3-4 did train
