@@ -26,6 +26,7 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import lzma
 import math
@@ -89,19 +90,21 @@ def build_data(args, tok: Tokenizer) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- 2. training
-def batch_at(data: list, batch: int, seed: int, step: int, _cache: dict = {}) -> list:
+def batch_at(data: list, batch: int, seed: int, step: int) -> list:
     """The sequences of optimiser step `step`. Epoch e is a permutation of the data seeded by
     (seed, e), so the batches depend only on the step number and a resumed run sees exactly the
     batches an uninterrupted one would."""
     per_epoch = max(1, len(data) // batch)
     epoch, i = divmod(step, per_epoch)
-    key = (id(data), len(data), seed, epoch)
-    if key not in _cache:
-        _cache.clear()
-        order = list(range(len(data)))
-        random.Random(f"{seed}:{epoch}").shuffle(order)
-        _cache[key] = order
-    return [data[j] for j in _cache[key][i * batch:(i + 1) * batch]]
+    order = _epoch_order(len(data), seed, epoch)
+    return [data[j] for j in order[i * batch:(i + 1) * batch]]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
 
 
 def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,

@@ -428,18 +428,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_kernels)
 
     from . import bench_engine as be  # engine-level benchmarks live in their own file
-    e = sub.add_parser("engine", help="LLM.generate tokens/s, Qwen3-0.6B shape, random weights")
-    be.add_engine_args(e)
-    e.set_defaults(func=lambda a: be.engine_baseline(a) and 0)
-    pr = sub.add_parser("profile", help="profile the step cost T(bs, K) of target + drafter")
-    be.add_profile_args(pr)
-    pr.set_defaults(func=lambda a: be.profile(a) and 0)
-    d = sub.add_parser("dspark", help="concurrency sweep: no speculation vs static vs compact")
-    be.add_dspark_args(d)
-    d.set_defaults(func=lambda a: be.dspark_bench(a) and 0)
-    pa = sub.add_parser("pareto", help="Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s")
-    be.add_pareto_args(pa)
-    pa.set_defaults(func=lambda a: be.pareto(a) and 0)
+    for name, helptext, add_args, run in (
+            ("engine", "LLM.generate tokens/s, Qwen3-0.6B shape, random weights", be.add_engine_args,
+             be.engine_baseline),
+            ("profile", "profile the step cost T(bs, K) of target + drafter", be.add_profile_args, be.profile),
+            ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
+             be.dspark_bench),
+            ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,
+             be.pareto)):
+        sp = sub.add_parser(name, help=helptext)
+        add_args(sp)
+        sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0
     return p
 
 

@@ -3,6 +3,16 @@
 `engine`: tokens/s of `LLM.generate` on a Qwen3-0.6B-shaped model with **random weights** at
 batch 1 and 64, for each attention backend, as the baseline later work improves on. Medians of
 repeats, all backends measured side by side in one run, hardware and versions recorded.
+
+`profile`: the step cost T(bs, K) of the loaded target + drafter for the cost scheduler
+(cost_scheduler.py). `--scope whole` (default) times whole `engine.step()` calls with the windows
+forced to add up to K; `--scope forward` times only the draft pass and the verify forward, which
+misses the K-independent host work of a step (acceptance, sampling, injection, bookkeeping).
+
+`dspark`: the economics sweep — no speculation vs static vs compact, per concurrency and
+workload, each point warmed up with its own traffic and then run `--repeats` times (the median
+run is reported); per-user tok/s is the decode rate after a request's first token. `pareto`
+draws a sweep as a PNG.
 """
 from __future__ import annotations
 
@@ -52,7 +62,6 @@ def environment() -> dict:
 
 
 def time_generate(llm, prompts, params, repeats: int) -> dict:
-    from .sampling import SamplingParams  # noqa: F401
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (compilation, allocator)
     times = []
     for _ in range(repeats):

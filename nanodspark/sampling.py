@@ -101,12 +101,8 @@ def sample_tokens(probs: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             groups.setdefault(id(g), []).append(i)
     for rows in groups.values():
-        g = generators[rows[0]]
-        if len(rows) == 1:
-            toks[rows[0]] = torch.multinomial(probs[rows[0]], 1, generator=g)[0]
-        else:
-            idx = torch.tensor(rows, device=probs.device)
-            toks[idx] = torch.multinomial(probs[idx], 1, generator=g)[:, 0]
+        idx = torch.tensor(rows, device=probs.device)
+        toks[idx] = torch.multinomial(probs[idx], 1, generator=generators[rows[0]])[:, 0]
     return toks
 
 

@@ -63,5 +63,20 @@ def make_hf_model(kind: str, out: Path, *, window: int = 0, tie: bool = False, s
 def tiny_dir(tmp_path_factory):
     """A tiny hybrid Qwen3-MoE checkpoint (the shape of the default model) for engine tests."""
     out = tmp_path_factory.mktemp("tiny_moe")
-    make_hf_model("qwen3_moe", out, window=16, vocab_size=8192 if DEFAULT_TOKENIZER.exists() else 320)
+    make_hf_model("qwen3_moe", out, window=16, vocab_size=8192)   # the vocabulary of our tokenizer
     return out
+
+
+def random_drafter(target, *, gamma: int, num_layers: int, std: float, seed: int = 0, **kw):
+    """An untrained drafter for `target` with N(0, std) weights (the tests only need it to be
+    deterministic and non-trivial); extra keywords go to DrafterConfig.for_target."""
+    from nanodspark.drafter import Drafter, DrafterConfig
+    torch.manual_seed(seed)
+    kw = {"markov_rank": 8, "intermediate_size": 64, **kw}
+    cfg = DrafterConfig.for_target(target.config, gamma=gamma, num_layers=num_layers, **kw)
+    d = Drafter(cfg, target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+    return d.eval()

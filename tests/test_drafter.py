@@ -3,11 +3,11 @@ context, the Markov head's left-to-right conditioning, confidence/survival, chec
 import pytest
 import torch
 
-from nanodspark.drafter import BlockAttention, Drafter, DrafterConfig, training_attention
+from nanodspark.drafter import BlockAttention, Drafter, training_attention
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext, rope_cos_sin
 
-from conftest import make_hf_model
+from conftest import make_hf_model, random_drafter
 
 GAMMA = 4
 
@@ -19,16 +19,7 @@ def target(tmp_path_factory):
 
 
 def make(target, **kw):
-    torch.manual_seed(0)
-    kw = {"markov_rank": 8, **kw}
-    cfg = DrafterConfig.for_target(target.config, gamma=GAMMA, num_layers=2, intermediate_size=64,
-                                   mask_token_id=5, **kw)
-    d = Drafter(cfg, target.model.embed_tokens, target.lm_head)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return d.eval()
+    return random_drafter(target, gamma=GAMMA, num_layers=2, std=0.2, mask_token_id=5, **kw)
 
 
 def features(target, ids, layers):

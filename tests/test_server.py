@@ -108,13 +108,16 @@ def make_prompt(i: int) -> str:
 
 
 # ----------------------------------------------------------------------------- fixtures
+def start_server(model_dir, **engine_kw):
+    """An engine on `model_dir`, its app, and a started server thread."""
+    engine = LLMEngine(str(model_dir), EngineConfig(use_tqdm=False, **engine_kw))
+    app = create_app(engine, model_name=MODEL)
+    return engine, app, ServerThread(app).start()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    if not (tiny_dir / "tokenizer.json").exists():
-        pytest.skip("the tiny model has no tokenizer.json (nanodspark/assets/default/tokenizer.json is missing)")
-    engine = LLMEngine(str(tiny_dir), EngineConfig(use_tqdm=False))
-    app = create_app(engine, model_name=MODEL)
-    srv = ServerThread(app).start()
+    engine, app, srv = start_server(tiny_dir)
     yield srv
     srv.stop()
     loop = app.state.server.loop
@@ -393,8 +396,6 @@ def test_serve_flags_mirror_engine_config(capsys, tmp_path):
 
 
 def test_serve_py_end_to_end_and_sigterm(tiny_dir):
-    if not (tiny_dir / "tokenizer.json").exists():
-        pytest.skip("no tokenizer.json")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -425,13 +426,10 @@ def test_serve_py_end_to_end_and_sigterm(tiny_dir):
 def test_speculative_server_matches_target_and_reports_dspark_counters(tiny_dir, offline, tmp_path):
     """With a (random) drafter the server still answers the target's greedy text, and the DSpark
     counters flow into `usage` and /metrics; the drafter's KV group does not leak either."""
-    if not (tiny_dir / "tokenizer.json").exists():
-        pytest.skip("no tokenizer.json")
     from test_verify import make_drafter
     ddir = make_drafter(tiny_dir, tmp_path / "drafter", gamma=4)
-    engine = LLMEngine(str(tiny_dir), EngineConfig(use_tqdm=False, drafter_path=str(ddir)))
+    engine, _, srv = start_server(tiny_dir, drafter_path=str(ddir))
     assert engine.spec is not None
-    srv = ServerThread(create_app(engine, model_name=MODEL)).start()
     try:
         prompts = [make_prompt(500 + i) for i in range(8)]
         want = [o.text for o in offline.generate(prompts, greedy(10, ignore_eos=True))]
@@ -468,11 +466,7 @@ def test_speculative_server_matches_target_and_reports_dspark_counters(tiny_dir,
 
 
 def test_shutdown_ends_open_streams_and_joins_the_engine_thread(tiny_dir):
-    if not (tiny_dir / "tokenizer.json").exists():
-        pytest.skip("no tokenizer.json")
-    engine = LLMEngine(str(tiny_dir), EngineConfig(use_tqdm=False))
-    app = create_app(engine, model_name=MODEL)
-    srv = ServerThread(app).start()
+    engine, app, srv = start_server(tiny_dir)
     events = []
     first = threading.Event()
 

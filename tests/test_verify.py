@@ -6,27 +6,19 @@ import pytest
 import torch
 
 from nanodspark import LLM, SamplingParams
-from nanodspark.drafter import Draft, Drafter, DrafterConfig
+from nanodspark.drafter import Draft
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext
 from nanodspark.speculative import SpecDecoder
 from nanodspark.verify import accept_sampling, verify_block
 
-from conftest import make_hf_model
+from conftest import make_hf_model, random_drafter
 from test_engine import check_no_leak, dense_greedy, prompts
 
 
 def make_drafter(model_dir, out, gamma=4, seed=0, **kw):
-    torch.manual_seed(seed)
-    target = load_model(model_dir)
-    cfg = DrafterConfig.for_target(target.config, gamma=gamma, num_layers=1, intermediate_size=64,
-                                   markov_rank=8, **kw)
-    d = Drafter(cfg, target.model.embed_tokens, target.lm_head)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    d.save(out)
+    """A random drafter for the checkpoint at model_dir, saved to out."""
+    random_drafter(load_model(model_dir), gamma=gamma, num_layers=1, std=0.1, seed=seed, **kw).save(out)
     return out
 
 
