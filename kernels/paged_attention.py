@@ -234,26 +234,63 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Measured on an H200 (bench kernels sweep, walkthrough/03_kernels.md): the decode/verify tile
+# (BLOCK_N 128, 4 warps, 2 stages) compiles to 168-228 registers per thread, so two programs stay
+# resident per SM; a launch of fewer programs than that leaves SMs idle, a launch that spills a
+# little past a whole number of waves leaves them idle in the last wave.
+PROGRAMS_PER_SM = 2
+MIN_WAVE_EFFICIENCY = 0.9    # accept a split count once this share of the last wave is busy
+MIN_TILES_PER_SPLIT = 2      # a split shorter than this costs more in merge than it gains
+MAX_SPLITS = 64
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+    """Share of the launched waves' program slots that hold a program."""
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
+def choose_num_splits(programs: int, kv_tiles: int, sms: int) -> int:
+    """Fewest KV splits whose programs fill the GPU's waves to >= MIN_WAVE_EFFICIENCY.
+
+    Each extra split adds a partial output to write and merge, so fewer splits are better
+    whenever the waves are (nearly) full; if no count reaches the bar, the fullest one wins."""
+    slots = PROGRAMS_PER_SM * sms
+    cap = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT))
+    best, best_eff = 1, 0.0
+    for s in range(1, cap + 1):
+        eff = wave_efficiency(programs * s, slots)
+        if eff >= MIN_WAVE_EFFICIENCY:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
 def pick_config(*, batch: int, num_kv_heads: int, group: int, head_dim: int, max_q_len: int,
                 max_kv_len: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
     """Tile sizes and split count from host-known shapes only (never from device data).
 
     * block_m: the packed rows (max_q_len * group) rounded up to a power of two, in [16, 64].
-    * block_n: 64 keys per step (32 for fp32 or head_dim > 128, to bound registers/smem).
-    * num_splits: enough programs to give every SM ~4 of them, but no split shorter than
-      4 key tiles, at most 64 splits.
+    * block_n: 128 keys per step for decode/verify tiles (block_m <= 32) with 2 pipeline
+      stages, the fastest configuration of the H200 sweep at every goal shape; 64 keys with 3
+      stages for prefill tiles (block_m 64, registers); 32 for fp32 or head_dim > 128.
+    * num_splits: `choose_num_splits` (whole waves of PROGRAMS_PER_SM programs per SM).
     """
     rows = max(1, max_q_len) * group
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if (dtype == torch.float32 or head_dim > 128) else 64
+    cuda_bf16 = device.type == "cuda" and dtype != torch.float32 and head_dim <= 128
+    if dtype == torch.float32 or head_dim > 128:
+        block_n, num_stages = 32, 2
+    elif block_m <= 32:
+        block_n, num_stages = 128, 2
+    else:
+        block_n, num_stages = 64, (3 if cuda_bf16 else 2)
     q_tiles = triton.cdiv(rows, block_m)
     programs = batch * num_kv_heads * q_tiles
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     kv_tiles = triton.cdiv(max(1, max_kv_len), block_n)
-    want = triton.cdiv(4 * sms, max(1, programs))
-    num_splits = max(1, min(want, kv_tiles // 4, 64))
-    num_stages = 3 if (device.type == "cuda" and dtype != torch.float32 and head_dim <= 128) else 2
+    num_splits = choose_num_splits(programs, kv_tiles, sms)
     return AttentionConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
                            num_warps=4, num_stages=num_stages)
 
@@ -262,13 +299,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                     *, scale: float, sliding_window: int = 0, kv_start: torch.Tensor | None = None,
                     max_q_len: int | None = None, out: torch.Tensor | None = None,
-                    config: AttentionConfig | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, stats: dict | None = None) -> torch.Tensor:
     """Attention of a packed ragged batch over a paged KV cache; returns o [T, Hq, D].
 
     Semantics: walkthrough/00_design.md (and `kernels.reference.paged_attention_ref`).
     `max_q_len` (host int) sizes the grid; if None it is read from `cu_seqlens_q` (one
     device-to-host sync). `out` may be passed (e.g. a CUDA-graph buffer). `config` overrides
-    the tile sizes / split count that `pick_config` would choose."""
+    the tile sizes / split count that `pick_config` would choose. If `stats` is a dict, the
+    compiled kernel's registers per thread, spilled registers and shared memory are put in it
+    (the benchmark's configuration sweep records them)."""
     T, Hq, D = q.shape
     B = cu_seqlens_q.shape[0] - 1
     PAGE, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -308,7 +347,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_start_arg = kv_start if kv_start is not None else kv_lens   # unused when HAS_KV_START=False
 
     grid = (q_tiles, Hkv * S, B)
-    _paged_attention_kernel[grid](
+    compiled = _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         block_tables, cu_seqlens_q, kv_lens, kv_start_arg,
         scale * LOG2E, int(sliding_window), S,
@@ -326,6 +365,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if stats is not None:
+        stats.update({k: getattr(compiled, k, None) for k in ("n_regs", "n_spills", "shared")})
     if split:
         _merge_splits_kernel[(T, Hq)](
             part_o, part_lse, out, S,

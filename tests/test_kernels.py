@@ -317,3 +317,35 @@ def test_backend_availability():
     with pytest.raises(ValueError):
         attention_backend_available("nope")
     assert kernels.paged_attention is paged_attention
+
+
+def test_split_count_fills_whole_waves():
+    """The split rule the H200 sweep supports: fewest splits whose programs fill the waves."""
+    pa = importlib.import_module("kernels.paged_attention")
+    slots = pa.PROGRAMS_PER_SM * 132
+    # batch 8 x 8 KV heads = 64 programs: 4 splits fill one wave (256 of 264 slots); 9 (the old
+    # heuristic) fill two waves and spill 48 programs into a third, nearly empty one.
+    assert pa.choose_num_splits(64, kv_tiles=64, sms=132) == 4
+    assert pa.wave_efficiency(64 * 4, slots) > 0.95 > 0.75 > pa.wave_efficiency(64 * 9, slots)
+    # one wave or more already: no split (the sweep: 1 split beat 3-4 at batch 64, q_len 8)
+    assert pa.choose_num_splits(512, kv_tiles=256, sms=132) == 1
+    # short contexts cap the split count (>= MIN_TILES_PER_SPLIT key tiles per split)
+    assert pa.choose_num_splits(8, kv_tiles=8, sms=132) == 8 // pa.MIN_TILES_PER_SPLIT
+    assert pa.choose_num_splits(1, kv_tiles=4096, sms=132) == pa.MAX_SPLITS   # as full as it gets
+    for programs in (8, 40, 64, 100, 192, 300, 700):
+        s = pa.choose_num_splits(programs, kv_tiles=4096, sms=132)
+        assert pa.wave_efficiency(programs * s, slots) >= pa.MIN_WAVE_EFFICIENCY
+        # and it is the fewest such count
+        assert all(pa.wave_efficiency(programs * t, slots) < pa.MIN_WAVE_EFFICIENCY for t in range(1, s))
+
+
+def test_pick_config_uses_wide_key_tiles_for_decode_and_verify_only():
+    pa = importlib.import_module("kernels.paged_attention")
+    kw = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=8192, dtype=torch.bfloat16,
+              device=torch.device("cpu"))
+    for q in (1, 4, 8):
+        c = pa.pick_config(batch=8, max_q_len=q, **kw)
+        assert (c.block_n, c.num_stages, c.num_warps) == (128, 2, 4) and c.block_m <= 32
+    prefill = pa.pick_config(batch=1, max_q_len=512, **kw)
+    assert prefill.block_m == 64 and prefill.block_n == 64
+    assert pa.pick_config(batch=8, max_q_len=1, **{**kw, "dtype": torch.float32}).block_n == 32
