@@ -10,8 +10,10 @@ forced to add up to K; `--scope forward` times only the draft pass and the verif
 misses the K-independent host work of a step (acceptance, sampling, injection, bookkeeping).
 
 `dspark`: the economics sweep — no speculation vs static vs compact, per concurrency and
-workload, each point warmed up with its own traffic and then run `--repeats` times (the median
-run is reported); per-user tok/s is the decode rate after a request's first token. `pareto`
+workload, each point warmed up with its own traffic and then run `--repeats` times with the three
+modes interleaved (the median run is reported, and compact / static as the median of paired
+per-repeat ratios with their range); per-user tok/s is the decode rate after a request's first
+token. `pareto`
 draws a sweep as a PNG.
 """
 from __future__ import annotations
@@ -267,33 +269,44 @@ def bench_prompts(workload: str, n: int, data_dir=None) -> list:
 def dspark_bench(args) -> dict:
     from . import LLM, SamplingParams
     from .workloads import load_workload
-    tok = None
-    rows, mixed = [], {}
-    modes = [("none", "static"), ("default", "static"), ("default", "compact")]
+    rows, paired, mixed = [], [], {}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
-    for drafter, mode in modes:
-        llm = LLM(args.model, drafter_path=None if drafter == "default" else "none", verify_mode=mode,
-                  cost_table=args.cost_table, max_num_seqs=max(args.concurrency), use_tqdm=False,
-                  kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=8192, enable_prefix_cache=False)
-        tok = llm.tokenizer
-        name = "no-spec" if drafter == "none" else mode
-        for wl in args.workloads:
-            for c in args.concurrency:
-                n = max(c, args.min_requests)
-                ps = bench_prompts(wl, n, args.data_dir)
-                prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
+    # All three engines stay loaded and their runs are interleaved (A B C A B C ...), so a slow
+    # drift of the machine (clocks, host load) hits every mode alike instead of whichever mode
+    # happened to run last; compact vs static is also reported as paired per-repeat ratios.
+    llms = {name: LLM(args.model, drafter_path=drafter, verify_mode=mode, cost_table=args.cost_table,
+                      max_num_seqs=max(args.concurrency), use_tqdm=False, kv_cache_memory_gb=args.kv_gb,
+                      max_num_batched_tokens=8192, enable_prefix_cache=False)
+            for name, drafter, mode in (("no-spec", "none", "static"), ("static", None, "static"),
+                                        ("compact", None, "compact"))}
+    tok = llms["static"].tokenizer
+    for wl in args.workloads:
+        for c in args.concurrency:
+            n = max(c, args.min_requests)
+            ps = bench_prompts(wl, n, args.data_dir)
+            prompts = [tok.encode(p.render())[-args.prompt_tokens:] for p in ps]
+            wls = [p.workload for p in ps]
+            for llm in llms.values():
                 llm.engine.config.max_num_seqs = c
                 # warm-up with the same traffic: Triton compiles a kernel variant per new shape
-                # class (tile sizes, split count), which would otherwise land in the first timed run
-                run_traffic(llm, prompts, [p.workload for p in ps], params)
-                runs = [run_traffic(llm, prompts, [p.workload for p in ps], params) for _ in range(args.repeats)]
-                r = sorted(runs, key=lambda x: x["total_tok_s"])[len(runs) // 2]   # the median run
+                # class (tile sizes), which would otherwise land in the first timed run
+                run_traffic(llm, prompts, wls, params)
+            runs = {name: [] for name in llms}
+            for _ in range(args.repeats):
+                for name, llm in llms.items():
+                    runs[name].append(run_traffic(llm, prompts, wls, params))
+            for name, rs in runs.items():
+                r = sorted(rs, key=lambda x: x["total_tok_s"])[len(rs) // 2]   # the median run
                 rows.append({"mode": name, "workload": wl, "concurrency": c, **r,
-                             "repeats_total_tok_s": [x["total_tok_s"] for x in runs]})
-                print(name, wl, c, r["total_tok_s"], r["per_user_tok_s"], flush=True)
-                if args.out:  # keep what is measured if the run is cut short
-                    Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows}))
-        del llm
+                             "repeats_total_tok_s": [x["total_tok_s"] for x in rs]})
+            ratio = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs["compact"], runs["static"])]
+            paired.append({"workload": wl, "concurrency": c, "compact_over_static": round(statistics.median(ratio), 3),
+                           "min": round(min(ratio), 3), "max": round(max(ratio), 3)})
+            print(wl, c, {k: rows[-3 + i]["total_tok_s"] for i, k in enumerate(runs)}, paired[-1], flush=True)
+            if args.out:  # keep what is measured if the run is cut short
+                Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows,
+                                                      "paired_compact_over_static": paired}))
+    del llms
     # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
     llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
               max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
@@ -306,7 +319,8 @@ def dspark_bench(args) -> dict:
                     "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
     estimator = llm.engine.spec.summary()["ceiling"]
     result = {"benchmark": "dspark economics on the default pair (trained weights)", **environment(),
-              "temperature": args.temperature, "max_tokens": args.max_tokens, "sweep": rows,
+              "temperature": args.temperature, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "sweep": rows, "paired_compact_over_static": paired,
               "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed,
                                            "block_accept_estimator": estimator},
               "cost_table": args.cost_table}
@@ -316,6 +330,9 @@ def dspark_bench(args) -> dict:
     print(f"\n{'mode':8} {'workload':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
     for r in rows:
         print(f"{r['mode']:8} {r['workload']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
+    print(f"\n{'workload':8} {'conc':>5} {'compact/static (median, min-max of paired repeats)':>52}")
+    for q in paired:
+        print(f"{q['workload']:8} {q['concurrency']:>5} {q['compact_over_static']:>8} ({q['min']}-{q['max']})")
     print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
     for w, m in mixed.items():
         print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")

@@ -26,6 +26,9 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
         (m, w, c) for m in ("no-spec", "static", "compact") for w in ("mix", "math") for c in (1, 2)}
     assert all(r["tokens"] == max(r["concurrency"], 2) * 4 for r in res["sweep"])  # ignore_eos, 4 tokens each
     assert all(len(r["repeats_total_tok_s"]) == 2 and r["total_tok_s"] in r["repeats_total_tok_s"] for r in res["sweep"])
+    assert [(q["workload"], q["concurrency"]) for q in res["paired_compact_over_static"]] == [
+        (w, c) for w in ("mix", "math") for c in (1, 2)]
+    assert all(q["min"] <= q["compact_over_static"] <= q["max"] for q in res["paired_compact_over_static"])
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
