@@ -369,8 +369,9 @@ def main(argv=None):
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=160)
     ap.add_argument("--gen-batch", type=int, default=256)
-    ap.add_argument("--gen-temperature", type=float, default=0.8, help="sampling temperature of the target's responses")
-    ap.add_argument("--gen-top-p", type=float, default=0.95, help="top-p of the target's responses")
+    ap.add_argument("--gen-temperature", type=float, default=1.0,
+                    help="sampling temperature of the target's responses (1: the policy the drafter is served and calibrated at)")
+    ap.add_argument("--gen-top-p", type=float, default=1.0, help="top-p of the target's responses")
     ap.add_argument("--seconds", type=float, default=150, help="DSpark training budget")
     ap.add_argument("--dflash", choices=("steps", "seconds", "off"), default="steps",
                     help="DFlash ablation: as many optimiser steps as DSpark took (default), "
@@ -382,7 +383,7 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue each drafter from its out/*/train_state.*")
     ap.add_argument("--stop-at-step", type=int, default=0,
                     help="stop (and checkpoint) at this step without finishing the schedule: a pre-emption drill")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--calib-n", type=int, default=200,

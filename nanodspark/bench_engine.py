@@ -210,6 +210,17 @@ def whole_step_runner(llm, context_len: int):
     return run_step
 
 
+DEFAULT_K_POINTS = 8   # extra-verify-token points per batch size besides K = 0
+
+
+def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
+    """K values profiled at batch size bs: 0 and `points` evenly spaced up to bs * gamma. The
+    step cost is a staircase in the verify rows (GEMM tiles, kernel variants), so a coarse grid
+    lets the fitted model interpolate across a step that the scheduler then trims into."""
+    full = bs * gamma
+    return sorted({0, full} | {round(full * i / points) for i in range(1, points + 1)})
+
+
 def profile(args) -> dict:
     from . import LLM
     from .cost_scheduler import profile_step_cost
@@ -224,7 +235,8 @@ def profile(args) -> dict:
         runner = engine_step_runner(llm, args.context)
     try:
         table = profile_step_cost(runner, args.batch_sizes,
-                                  lambda bs: sorted({0, bs // 2, bs, bs * g // 2, bs * g}), repeats=args.repeats,
+                                  lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
+                                  repeats=args.repeats,
                                   model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
@@ -236,6 +248,9 @@ def profile(args) -> dict:
 
 # ----------------------------------------------------------------------------- dspark economics
 def run_traffic(llm, prompts, workloads, params) -> dict:
+    spec = llm.engine.spec
+    if spec is not None:
+        spec.step_times = []             # this run's (predicted, measured) step seconds only
     t = time.perf_counter()
     reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
     while llm.engine.has_unfinished():
@@ -254,8 +269,15 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
         s["requests"] += 1
     for r in reqs:
         llm.engine.release(r.request_id)
-    return {"wall_s": round(wall, 3), "tokens": toks, "total_tok_s": round(toks / wall, 1),
-            "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl}
+    out = {"wall_s": round(wall, 3), "tokens": toks, "total_tok_s": round(toks / wall, 1),
+           "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl}
+    if spec is not None and spec.step_times:
+        # the cost table's prediction next to the measured speculative step (the last 256
+        # steps of the run; nan predictions = no table in use); what compact trusts vs reality
+        pred = [p for p, _ in spec.step_times if p == p]
+        out["step_ms_measured"] = round(1e3 * statistics.median(m for _, m in spec.step_times), 2)
+        out["step_ms_predicted"] = round(1e3 * statistics.median(pred), 2) if pred else None
+    return out
 
 
 def bench_prompts(workload: str, n: int, data_dir=None) -> list:
@@ -343,6 +365,8 @@ def add_profile_args(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
+                   help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--scope", choices=("whole", "forward"), default="whole",
                    help="time a whole engine step (default) or only the draft + verify forward")
     p.add_argument("--repeats", type=int, default=5)

@@ -29,6 +29,8 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert [(q["workload"], q["concurrency"]) for q in res["paired_compact_over_static"]] == [
         (w, c) for w in ("mix", "math") for c in (1, 2)]
     assert all(q["min"] <= q["compact_over_static"] <= q["max"] for q in res["paired_compact_over_static"])
+    spec_rows = [r for r in res["sweep"] if r["mode"] != "no-spec"]
+    assert all(r["step_ms_measured"] > 0 for r in spec_rows) and all("step_ms_measured" not in r for r in res["sweep"] if r["mode"] == "no-spec")
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
@@ -67,3 +69,10 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     run.close()
     assert not eng.has_unfinished() and spec.window_fn is None
     assert all(u["used"] == 0 for u in eng.kv_usage().values())
+
+
+def test_profile_k_grid_is_dense_and_ends_at_full_blocks():
+    assert be.k_grid(1, 5) == [0, 1, 2, 3, 4, 5]
+    g = be.k_grid(64, 5, points=8)
+    assert g[0] == 0 and g[-1] == 320 and len(g) == 9
+    assert max(b - a for a, b in zip(g, g[1:])) == 40      # no gap wider than an eighth of the range
