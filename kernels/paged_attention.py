@@ -278,13 +278,12 @@ def pick_config(*, batch: int, num_kv_heads: int, group: int, head_dim: int, max
     """
     rows = max(1, max_q_len) * group
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    cuda_bf16 = device.type == "cuda" and dtype != torch.float32 and head_dim <= 128
     if dtype == torch.float32 or head_dim > 128:
         block_n, num_stages = 32, 2
     elif block_m <= 32:
         block_n, num_stages = 128, 2
     else:
-        block_n, num_stages = 64, (3 if cuda_bf16 else 2)
+        block_n, num_stages = 64, (3 if device.type == "cuda" else 2)
     q_tiles = triton.cdiv(rows, block_m)
     programs = batch * num_kv_heads * q_tiles
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -366,7 +365,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if stats is not None:
-        stats.update({k: getattr(compiled, k, None) for k in ("n_regs", "n_spills", "shared")})
+        meta = getattr(compiled, "metadata", None)       # Triton keeps `shared` there in 3.x
+        stats.update({k: getattr(compiled, k, None) if getattr(compiled, k, None) is not None
+                      else getattr(meta, k, None) for k in ("n_regs", "n_spills", "shared")})
     if split:
         _merge_splits_kernel[(T, Hq)](
             part_o, part_lse, out, S,
