@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from nanodspark import LLM, SamplingParams  # noqa: E402
-from nanodspark.calibration import calibration_report, fit_sts, save_reliability_png  # noqa: E402
+from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, offset_interval,  # noqa: E402
+                                    save_reliability_png, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, training_attention  # noqa: E402
 from nanodspark.loader import Tokenizer, load_model, resolve_model_dir  # noqa: E402
 from nanodspark.model import DenseAttentionContext  # noqa: E402
@@ -268,8 +269,9 @@ def load_train_state(out: Path, drafter, opt, gen, budget: dict) -> tuple[int, f
 
 
 # ----------------------------------------------------------------------------- 3-4. calibrate, evaluate
-def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """Run full-block speculative decoding; per proposal: raw conf logits, prefix labels, valid."""
+def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Run full-block speculative decoding; per proposal: raw conf logits, prefix labels, valid,
+    and the id of the request (prompt) it came from."""
     spec = llm.engine.spec
     rec = []
     spec.recorder = rec
@@ -284,11 +286,12 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     nver = torch.tensor([r[2] for r in rec])
     labels = (k[None, :] < acc[:, None]).float()
     valid = k[None, :] < nver[:, None]
+    groups = torch.tensor([r[3] for r in rec], dtype=torch.int64)
     steps = sum(o.spec["steps"] for o in outs)
     tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
     cond = [a / t if t else None for a, t in zip(spec.position_accepts, spec.position_trials)]
     rep = repeated_ngram_fraction([(p, o.token_ids) for p, o in zip(prompts, outs)])
-    return z, labels, valid, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond,
+    return z, labels, valid, groups, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond,
                               "repeated_4gram_fraction": round(rep, 4)}
 
 
@@ -323,7 +326,7 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
             prompts = workload_prompts(tok, wl, args.eval_n, args.data_dir, at_most=True)
             for temp in (0.0, 1.0):
                 params = SamplingParams(temperature=temp, max_tokens=args.eval_tokens, seed=args.seed)
-                _, _, _, m = record_spec(llm, prompts, params)
+                *_, m = record_spec(llm, prompts, params)
                 res.setdefault(name, {}).setdefault(wl, {})[f"T={temp:g}"] = m
                 print(name, wl, f"T={temp:g}", "tau", m["tau"], flush=True)
     return res
@@ -337,11 +340,19 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     random.Random(args.seed).shuffle(prompts)
     half = len(prompts) // 2
     params = SamplingParams(temperature=args.calib_temperature, max_tokens=args.calib_tokens, seed=args.seed)
-    z_fit, y_fit, v_fit, _ = record_spec(llm, prompts[:half], params)
-    z_ev, y_ev, v_ev, _ = record_spec(llm, prompts[half:], params)
+    z_fit, y_fit, v_fit, _, _ = record_spec(llm, prompts[:half], params)
+    z_ev, y_ev, v_ev, g_ev, _ = record_spec(llm, prompts[half:], params)
     temps = fit_sts(z_fit, y_fit, v_fit)
     report = calibration_report(z_ev, y_ev, v_ev, temps)
     print(report.format(), flush=True)
+    # How much of what is left is the split, and how much a real offset? (1) the other
+    # direction: fit on the held-out half, score on the fit half; (2) mean prediction minus
+    # observed rate after STS, with an interval that resamples prompts, not proposals.
+    swapped = calibration_report(z_fit, y_fit, v_fit, fit_sts(z_ev, y_ev, v_ev))
+    offsets = offset_interval(survival(apply_temperatures(z_ev, temps)), y_ev, v_ev, g_ev)
+    for k, ((gap, lo, hi), m) in enumerate(zip(offsets, swapped.after)):
+        print(f"pos {k + 1}: pred - observed {gap:+.4f} [{lo:+.4f}, {hi:+.4f}] (90 %, prompts resampled); "
+              f"ECE with the halves swapped {m.ece:.4f}", flush=True)
     # ship the temperatures with the drafter
     d = Drafter.load(ddir, llm.engine.model)
     d.sts_temperature.copy_(temps.float())
@@ -350,7 +361,11 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     return {"temperatures": [round(float(t), 4) for t in temps], "held_out_proposals": int(len(z_ev)),
             "fit_proposals": int(len(z_fit)), "calibration_temperature": args.calib_temperature,
             "before": [vars(m) for m in report.before], "after": [vars(m) for m in report.after],
-            "mean_ece_before": report.mean_ece("before"), "mean_ece_after": report.mean_ece("after")}
+            "mean_ece_before": report.mean_ece("before"), "mean_ece_after": report.mean_ece("after"),
+            "held_out_prompts": len(prompts) - half,
+            "offset_after_90pct_prompt_bootstrap": [[round(x, 5) for x in o] for o in offsets],
+            "swapped_halves": {"temperatures": swapped.temperatures, "after": [vars(m) for m in swapped.after],
+                               "mean_ece_after": swapped.mean_ece("after")}}
 
 
 # ----------------------------------------------------------------------------- main

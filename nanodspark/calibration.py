@@ -26,6 +26,9 @@ Definitions (all on the cumulative survival vs the prefix label, per position)
     AUROC   Mann-Whitney statistic with average ranks for ties; nan when one class is absent
     Brier   mean (pred - label)^2
     ECE floor  the ECE a perfectly calibrated predictor shows at the same N (sampling noise)
+    offset  mean prediction - observed rate, with a bootstrap interval over prompts
+            (`offset_interval`): proposals of one prompt are correlated, so the unit of
+            resampling is the prompt; an interval excluding 0 is an offset STS cannot remove
 
 Defaults (the one place they are written down; every function takes them as parameters)
     N_BINS = 20                 equal-width ECE / reliability bins (DeepSpec's evaluator)
@@ -214,6 +217,40 @@ class PositionMetrics:
     mean_pred: float
     mean_observed: float
     ece_floor: float = float("nan")   # ECE of a perfectly calibrated predictor at this count
+
+
+def offset_interval(surv, labels, valid, groups, draws: int = 200, level: float = 0.9,
+                    seed: int = 0) -> list[tuple[float, float, float]]:
+    """Per position: (mean prediction - observed rate, lower, upper) with a `level` bootstrap
+    interval that resamples *groups* (prompts), not proposals.
+
+    Proposals of one prompt are correlated (a looping prompt accepts everything), so an interval
+    that treats them as independent is too narrow. An interval that excludes 0 says the head
+    is offset beyond what the prompts' variability explains; a temperature cannot fix that.
+    """
+    a, y = _f64(surv), _f64(labels)
+    v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+    _, gid = torch.unique(torch.as_tensor(groups).cpu(), return_inverse=True)
+    n_groups = int(gid.max()) + 1 if gid.numel() else 0
+    gen = torch.Generator().manual_seed(seed)
+    # bootstrap weights: how often each prompt is drawn in each of `draws` resamples
+    w = torch.zeros(draws, max(1, n_groups), dtype=torch.float64)
+    if n_groups:
+        picks = torch.randint(n_groups, (draws, n_groups), generator=gen)
+        w.scatter_add_(1, picks, torch.ones(draws, n_groups, dtype=torch.float64))
+    lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
+    out = []
+    for k in range(a.shape[-1]):
+        m = v[:, k]
+        if not m.any():
+            out.append((float("nan"),) * 3)
+            continue
+        diff = torch.zeros(max(1, n_groups), dtype=torch.float64).index_add_(0, gid[m], a[m, k] - y[m, k])
+        cnt = torch.zeros(max(1, n_groups), dtype=torch.float64).index_add_(0, gid[m], torch.ones(int(m.sum()), dtype=torch.float64))
+        gap = float(diff.sum() / cnt.sum())
+        boot = (w @ diff) / (w @ cnt).clamp_min(1.0)
+        out.append((gap, float(torch.quantile(boot, lo_q)), float(torch.quantile(boot, hi_q))))
+    return out
 
 
 def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[PositionMetrics]:

@@ -53,7 +53,7 @@ class SpecDecoder:
         self.generation = [0] * max_slots
         self.position_trials = [0] * self.gamma      # verified drafts at position k
         self.position_accepts = [0] * self.gamma     # ... of which accepted
-        self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified) per proposal
+        self.recorder: list | None = None  # calibration: (raw conf logits, accepted, verified, request id) per proposal
         self.online = OnlineCalibrationMetrics(self.gamma)   # running ECE of the survivals (metrics)
         self.ceiling = BlockAcceptEstimator(self.gamma)      # what full-block verify would have accepted
         self.pending: dict[str, tuple] = {}  # request id -> (first position, trimmed drafts, window, accepted)
@@ -148,7 +148,7 @@ class SpecDecoder:
             self._count(r, vr, wins[i], n_ver, stats)
             self._track_ceiling(r, draft_tokens[i], vr, wins[i], n_ver)
             if self.recorder is not None:
-                self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver))
+                self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver, r.request_id))
             r.num_computed += 1 + vr.accepted
             committed_rows.append(1 + vr.accepted)
             commits.append((r, vr.tokens))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanodspark.calibration import (
-    OnlineCalibrationMetrics, apply_temperatures, auroc, brier, calibration_report, ece, fit_sts,
+    OnlineCalibrationMetrics, apply_temperatures, auroc, brier, calibration_report, ece, fit_sts, offset_interval,
     position_metrics, reliability, save_reliability_png, sts_grid, survival,
 )
 
@@ -185,3 +185,22 @@ def test_ece_noise_floor_tracks_sampling_noise():
         assert 0.5 * floor < ece(p, y) < 2.0 * floor   # a calibrated predictor sits at the floor
     assert ece_noise_floor(p[:500]) > 2.5 * ece_noise_floor(p)   # ~ 1 / sqrt(N)
     assert ece(p, torch.bernoulli((p * 0.7), generator=g)) > 5 * ece_noise_floor(p)  # real miscalibration is above it
+
+
+def test_offset_interval_resamples_prompts_and_sees_a_real_offset():
+    """Clustered data: 60 prompts, each with its own acceptance rate and 50 proposals. A
+    calibrated predictor's interval covers 0; the same predictor shifted by +0.05 is excluded
+    from 0, and its gap is measured as ~0.05. Resampling proposals instead of prompts would
+    give a much narrower interval (checked against the prompt-level one)."""
+    g = torch.Generator().manual_seed(3)
+    rate = torch.rand(60, generator=g) * 0.8 + 0.1
+    groups = torch.arange(60).repeat_interleave(50)
+    p = rate[groups].unsqueeze(1)                                   # one position
+    y = torch.bernoulli(p.expand(-1, 1).clone(), generator=g)
+    gap, lo, hi = offset_interval(p, y, None, groups)[0]
+    assert lo < 0 < hi and abs(gap) < 0.03
+    gap2, lo2, hi2 = offset_interval((p + 0.05).clamp(max=1), y, None, groups)[0]
+    assert 0 < lo2 < gap2 < hi2 and abs(gap2 - 0.05) < 0.03
+    # one group per proposal = the i.i.d. bootstrap: narrower than the prompt-level interval
+    _, lo3, hi3 = offset_interval(p, y, None, torch.arange(len(groups)))[0]
+    assert hi3 - lo3 < hi - lo
