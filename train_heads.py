@@ -286,7 +286,8 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     nver = torch.tensor([r[2] for r in rec])
     labels = (k[None, :] < acc[:, None]).float()
     valid = k[None, :] < nver[:, None]
-    groups = torch.tensor([r[3] for r in rec], dtype=torch.int64)
+    prompt_of: dict = {}                  # request id (a string) -> prompt index
+    groups = torch.tensor([prompt_of.setdefault(r[3], len(prompt_of)) for r in rec], dtype=torch.int64)
     steps = sum(o.spec["steps"] for o in outs)
     tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
     cond = [a / t if t else None for a, t in zip(spec.position_accepts, spec.position_trials)]

@@ -39,6 +39,17 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
     llm = LLM(str(tiny_dir), drafter_path=str(out / "dspark"), use_tqdm=False)
     o = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert len(o.token_ids) == 6 and o.spec["steps"] > 0
+    # calibrate: STS temperatures shipped in the checkpoint, offsets with prompt-level intervals
+    rep = train_heads.main(["--target", str(tiny_dir), "--out", str(out), "--phases", "calibrate",
+                            "--calib-n", "2", "--calib-tokens", "8"])
+    cal = rep["calibration"]
+    assert len(cal["temperatures"]) == 3 and len(cal["swapped_halves"]["temperatures"]) == 3
+    assert len(cal["offset_after_90pct_prompt_bootstrap"]) == 3 and cal["held_out_prompts"] == 4
+    for gap, lo, hi in cal["offset_after_90pct_prompt_bootstrap"]:
+        assert gap != gap or lo <= gap <= hi          # nan where a position was never verified
+    shipped = Drafter.load(out / "dspark", load_model(tiny_dir)).sts_temperature
+    assert torch.allclose(shipped.float(), torch.tensor(cal["temperatures"]), rtol=1e-2)
+    assert (out / "reliability.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_repeated_ngram_fraction():
