@@ -26,6 +26,9 @@ The idea
        `num_splits` chunks handled by separate programs. Each writes its normalised partial
        output and its log-sum-exp (base 2) to fp32 scratch; a second small kernel merges the
        chunks: `o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)` with `M = max_s lse_s`.
+       `pick_config` picks the fewest splits that fill whole waves of resident programs
+       (`choose_num_splits`): a launch a little larger than a wave leaves the GPU idle in the
+       last one.
 
     CUDA-graph friendly: the grid is `(q_tiles, Hkv * num_splits, B)`, where `q_tiles`
     depends only on the host int `max_q_len`, and `num_splits` only on host-known shapes

@@ -20,7 +20,8 @@ The idea
     leaves on the table at the goal-region shapes: stage 1 varies the compile-time parameters
     (tile rows and keys, warps, pipeline stages) at the default split count, stage 2 the split
     count with stage 1's best; each entry records the compiled kernel's registers and shared
-    memory. `--sweep-only` runs just the sweep.
+    memory. `--sweep-only` runs just the sweep. `kernels-table JSON [--before JSON]` prints the
+    walkthrough's table and the goal counts (eager and graph replay) of a saved run, no GPU.
 
 Invariants
     * Times are medians from `triton.testing.do_bench` (CUDA events, L2 flushed between
@@ -383,22 +384,78 @@ def run_kernels(args) -> dict:
         del k_cache, v_cache
         save()
 
-    # ---- goals --------------------------------------------------------------------------------
-    big = [r for r in res["rows"] if r["ctx"] >= 8192 and r["batch"] >= 8 and "frac_of_copy" in r]
-    ver = [r for r in res["rows"] if r["q_len"] == 8 and "speedup_vs_sdpa" in r]
-    res["goals"] = {
-        "bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8": {
-            "met": sum(r["frac_of_copy"] >= 0.8 for r in big), "of": len(big),
-            "min": min((r["frac_of_copy"] for r in big), default=None),
-            "max": max((r["frac_of_copy"] for r in big), default=None)},
-        "verify_q8_speedup_ge_2x_sdpa": {
-            "met": sum(r["speedup_vs_sdpa"] >= 2 for r in ver), "of": len(ver),
-            "min": min((r["speedup_vs_sdpa"] for r in ver), default=None),
-            "max": max((r["speedup_vs_sdpa"] for r in ver), default=None)},
-    }
+    res["goals"] = kernel_goals(res)
     res["elapsed_s"] = time.perf_counter() - t_start
     save()
     return res
+
+
+def add_graph_figures(res: dict) -> dict:
+    """Per row, the CUDA-graph-replay versions of the bandwidth share and the SDPA speedup
+    (launch time excluded), from the recorded times; idempotent, works on older JSON too."""
+    for r in res["rows"]:
+        g, sg = r.get("triton_graph_us"), r.get("sdpa_graph_us")
+        if isinstance(g, float):
+            r["frac_of_copy_graph"] = r["bytes"] / (g * 1e-6) / 1e9 / res["copy_GBps"]
+            if isinstance(sg, float):
+                r["speedup_vs_sdpa_graph"] = sg / g
+    return res
+
+
+def kernel_goals(res: dict) -> dict:
+    """Issue #3's two goals, counted under do_bench (eager launches) and in graph replay."""
+    add_graph_figures(res)
+    out = {}
+    for suffix in ("", "_graph"):
+        frac, speed = "frac_of_copy" + suffix, "speedup_vs_sdpa" + suffix
+        big = [r[frac] for r in res["rows"] if r["ctx"] >= 8192 and r["batch"] >= 8 and frac in r]
+        ver = [r[speed] for r in res["rows"] if r["q_len"] == 8 and speed in r]
+        out["bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8" + suffix] = {
+            "met": sum(x >= 0.8 for x in big), "of": len(big), "min": min(big, default=None),
+            "max": max(big, default=None)}
+        out["verify_q8_speedup_ge_2x_sdpa" + suffix] = {
+            "met": sum(x >= 2 for x in ver), "of": len(ver), "min": min(ver, default=None),
+            "max": max(ver, default=None)}
+    return out
+
+
+def kernels_markdown(res: dict, before: dict | None = None) -> str:
+    """The walkthrough's table of a `bench kernels` JSON (optionally next to an earlier run's
+    graph-replay bandwidth share for the same rows)."""
+    add_graph_figures(res)
+    old = {}
+    if before is not None:
+        add_graph_figures(before)
+        old = {(r["batch"], r["ctx"], r["q_len"]): r.get("frac_of_copy_graph") for r in before["rows"]}
+    head = ["B", "ctx", "q", "splits", "Triton µs", "graph µs", "% of copy", "% of copy (graph)"] + \
+        (["before (graph)"] if before is not None else []) + \
+        ["SDPA µs", "SDPA graph µs", "× SDPA", "× SDPA (graph)", "flex µs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    pct = lambda x: _fmt(100 * x if isinstance(x, float) else None, ".0f")  # noqa: E731
+    for r in res["rows"]:
+        cells = [r["batch"], f"{r['ctx'] // 1024}k", r["q_len"], r["config"]["num_splits"],
+                 _fmt(r.get("triton_us"), ".0f"), _fmt(r.get("triton_graph_us"), ".1f"),
+                 pct(r.get("frac_of_copy")), pct(r.get("frac_of_copy_graph"))]
+        if before is not None:
+            cells.append(pct(old.get((r["batch"], r["ctx"], r["q_len"]))))
+        cells += [_fmt(r.get("sdpa_us"), ".0f"), _fmt(r.get("sdpa_graph_us"), ".1f"),
+                  _fmt(r.get("speedup_vs_sdpa"), ".2f"), _fmt(r.get("speedup_vs_sdpa_graph"), ".2f"),
+                  _fmt(r.get("flex_us"), ".0f")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def cmd_kernels_table(args) -> int:
+    with open(args.input) as f:
+        res = json.load(f)
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
+    print(kernels_markdown(res, before))
+    for name, g in kernel_goals(res).items():
+        print(f"goal {name}: met {g['met']}/{g['of']}")
+    return 0
 
 
 def sweep_summary(sweep: list) -> dict:
@@ -476,6 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--smoke", action="store_true", help="tiny shapes; runs without CUDA")
     k.set_defaults(func=cmd_kernels)
 
+    t = sub.add_parser("kernels-table", help="markdown table + goals of a `kernels` JSON (no GPU)")
+    t.add_argument("input")
+    t.add_argument("--before", default=None, help="an earlier run's JSON, for its graph-replay column")
+    t.set_defaults(func=cmd_kernels_table)
+
     from . import bench_engine as be  # engine-level benchmarks live in their own file
     for name, helptext, add_args, run in (
             ("engine", "LLM.generate tokens/s, Qwen3-0.6B shape, random weights", be.add_engine_args,
@@ -484,7 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
              be.dspark_bench),
             ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,
-             be.pareto)):
+             be.pareto),
+            ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,
+             be.dspark_table)):
         sp = sub.add_parser(name, help=helptext)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0

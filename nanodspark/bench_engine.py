@@ -13,7 +13,7 @@ misses the K-independent host work of a step (acceptance, sampling, injection, b
 workload, each point warmed up with its own traffic and then run `--repeats` times with the three
 modes interleaved (the median run is reported, and compact / static as the median of paired
 per-repeat ratios with their range); per-user tok/s is the decode rate after a request's first
-token. `pareto`
+token. `dspark-table` prints a saved sweep as the walkthrough's table (no GPU). `pareto`
 draws a sweep as a PNG.
 """
 from __future__ import annotations
@@ -253,8 +253,10 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
         spec.step_times = []             # this run's (predicted, measured) step seconds only
     t = time.perf_counter()
     reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
+    engine_steps = 0
     while llm.engine.has_unfinished():
         llm.engine.step()
+        engine_steps += 1
     wall = time.perf_counter() - t
     toks = sum(len(r.output_ids) for r in reqs)
     # per-user speed = decode rate after the first token (1 / time per output token): queueing
@@ -270,7 +272,8 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
     for r in reqs:
         llm.engine.release(r.request_id)
     out = {"wall_s": round(wall, 3), "tokens": toks, "total_tok_s": round(toks / wall, 1),
-           "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl}
+           "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl,
+           "engine_steps": engine_steps}
     if spec is not None and spec.step_times:
         # the cost table's prediction next to the measured speculative step (the last 256
         # steps of the run; nan predictions = no table in use); what compact trusts vs reality
@@ -423,6 +426,63 @@ def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40, workl
         for x, y in pts:
             img[max(0, y - 3):y + 4, max(0, x - 3):x + 4] = color
     write_png(path, img)
+
+
+def point_summary(row: dict) -> dict:
+    """Drafts verified per request-step, τ and ms per engine step of one sweep row. Rows written
+    before `engine_steps` was recorded estimate the engine steps as request-steps / concurrency
+    (exact while every slot is busy; prefill steps are included either way)."""
+    s = {k: sum(v[k] for v in row["by_workload"].values()) for k in ("steps", "verified", "committed")}
+    steps = row.get("engine_steps") or s["steps"] / max(1, row["concurrency"])
+    return {"window": s["verified"] / s["steps"] if s["steps"] else 0.0,
+            "tau": s["committed"] / s["steps"] if s["steps"] else 0.0,
+            "ms_per_step": 1e3 * row["wall_s"] / steps if steps else None,
+            "ms_per_step_estimated": "engine_steps" not in row}
+
+
+def dspark_markdown(result: dict) -> str:
+    """The walkthrough's table of a `bench dspark` JSON: one column per (workload, concurrency)."""
+    by = {(r["workload"], r["concurrency"], r["mode"]): r for r in result["sweep"]}
+    paired = {(q["workload"], q["concurrency"]): q for q in result.get("paired_compact_over_static", [])}
+    points = sorted({(w, c) for w, c, _ in by}, key=lambda wc: (wc[0] != "mix", wc[0], wc[1]))
+    modes = [m for m in ("no-spec", "static", "compact") if any(k[2] == m for k in by)]
+    cell = lambda w, c, m: by.get((w, c, m))  # noqa: E731
+    lines = ["| workload, concurrency | " + " | ".join(f"{w}, {c}" for w, c in points) + " |",
+             "|---|" + "---|" * len(points)]
+
+    def row(label, fn):
+        lines.append(f"| {label} | " + " | ".join(fn(w, c) for w, c in points) + " |")
+    for m in modes:
+        row(f"{m}, total tok/s", lambda w, c, m=m: f"{cell(w, c, m)['total_tok_s']:,.0f}" if cell(w, c, m) else "-")
+    for a, b in (("static", "no-spec"), ("compact", "static")):
+        if a in modes and b in modes:
+            row(f"{a} / {b}", lambda w, c, a=a, b=b: f"{cell(w, c, a)['total_tok_s'] / cell(w, c, b)['total_tok_s']:.2f}")
+    if paired:
+        row("compact / static, paired (range)", lambda w, c: (
+            f"{paired[(w, c)]['compact_over_static']:.2f} ({paired[(w, c)]['min']:.2f}-{paired[(w, c)]['max']:.2f})"
+            if (w, c) in paired else "-"))
+    spec = [m for m in modes if m != "no-spec"]
+    sums = {(w, c, m): point_summary(cell(w, c, m)) for w, c in points for m in spec if cell(w, c, m)}
+    for key, label, fmt in (("window", "drafts verified per request", ".2f"), ("tau", "τ", ".2f"),
+                            ("ms_per_step", "ms per engine step", ".1f")):
+        row(f"{label}: {' / '.join(spec)}", lambda w, c, key=key, fmt=fmt: " / ".join(
+            format(sums[(w, c, m)][key], fmt) for m in spec if (w, c, m) in sums))
+    row(f"per-user tok/s: {' / '.join(modes)}", lambda w, c: " / ".join(
+        f"{cell(w, c, m)['per_user_tok_s']:.0f}" for m in modes if cell(w, c, m)))
+    if any(v["ms_per_step_estimated"] for v in sums.values()):
+        lines.append("\n(ms per engine step estimated as wall time / (request-steps / concurrency): "
+                     "this JSON predates the `engine_steps` field)")
+    return "\n".join(lines)
+
+
+def dspark_table(args) -> dict:
+    result = json.loads(Path(args.input).read_text())
+    print(dspark_markdown(result))
+    return result
+
+
+def add_dspark_table_args(p) -> None:
+    p.add_argument("input", help="JSON written by `bench dspark`")
 
 
 def pareto(args) -> dict:

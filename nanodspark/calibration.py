@@ -231,25 +231,22 @@ def offset_interval(surv, labels, valid, groups, draws: int = 200, level: float 
     a, y = _f64(surv), _f64(labels)
     v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
     _, gid = torch.unique(torch.as_tensor(groups).cpu(), return_inverse=True)
-    n_groups = int(gid.max()) + 1 if gid.numel() else 0
+    n = max(1, int(gid.max()) + 1 if gid.numel() else 0)
     gen = torch.Generator().manual_seed(seed)
     # bootstrap weights: how often each prompt is drawn in each of `draws` resamples
-    w = torch.zeros(draws, max(1, n_groups), dtype=torch.float64)
-    if n_groups:
-        picks = torch.randint(n_groups, (draws, n_groups), generator=gen)
-        w.scatter_add_(1, picks, torch.ones(draws, n_groups, dtype=torch.float64))
-    lo_q, hi_q = (1 - level) / 2, 1 - (1 - level) / 2
+    picks = torch.randint(n, (draws, n), generator=gen)
+    w = torch.zeros(draws, n, dtype=torch.float64).scatter_add_(1, picks, torch.ones(draws, n, dtype=torch.float64))
     out = []
     for k in range(a.shape[-1]):
         m = v[:, k]
         if not m.any():
             out.append((float("nan"),) * 3)
             continue
-        diff = torch.zeros(max(1, n_groups), dtype=torch.float64).index_add_(0, gid[m], a[m, k] - y[m, k])
-        cnt = torch.zeros(max(1, n_groups), dtype=torch.float64).index_add_(0, gid[m], torch.ones(int(m.sum()), dtype=torch.float64))
-        gap = float(diff.sum() / cnt.sum())
+        diff = torch.bincount(gid[m], weights=a[m, k] - y[m, k], minlength=n)   # per prompt
+        cnt = torch.bincount(gid[m], minlength=n).double()
         boot = (w @ diff) / (w @ cnt).clamp_min(1.0)
-        out.append((gap, float(torch.quantile(boot, lo_q)), float(torch.quantile(boot, hi_q))))
+        lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+        out.append((float(diff.sum() / cnt.sum()), float(lo), float(hi)))
     return out
 
 

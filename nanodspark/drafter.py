@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import ModelConfig
-from .model import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin
+from .model import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -78,15 +78,9 @@ class DrafterConfig:
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
 
 
-class DraftLayer(nn.Module):
-    """A pre-norm decoder layer whose attention also sees the injected context K/V."""
-
-    def __init__(self, cfg: ModelConfig, i: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, i)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+class DraftLayer(DecoderLayer):
+    """The target's pre-norm decoder layer (same parameters and names; the draft config has no
+    experts, so its MLP is dense) whose attention also sees the injected context K/V."""
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
         """Injection: this layer's k/v projections of the context features (no input norm)."""

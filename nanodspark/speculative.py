@@ -116,7 +116,7 @@ class SpecDecoder:
                 self._settle(r)
         chunks = [eng.chunk_of(r, n) for r, n in pre]
         draft = self.draft(dec) if dec else None
-        limits, wins, predicted = [], [], float("nan")
+        limits, wins, drafts, predicted = [], [], [], float("nan")
         if dec:
             windows, predicted = self.windows(dec, draft)
             drafts = draft.tokens.tolist()          # one device->host copy for the whole batch
@@ -134,19 +134,18 @@ class SpecDecoder:
         stats = SpecStepStats(requests=len(dec))
         # One device->host copy for every greedy row of the step instead of one per request.
         argmax = res.logits.argmax(-1).tolist() if any(r.params.greedy for r in dec) else None
-        draft_tokens = draft.tokens.tolist() if dec else []
         for i, r in enumerate(dec):
             j = len(pre) + i
             lo, hi = res.logit_offsets[j], res.logit_offsets[j + 1]
             n_ver = limits[i]
             if r.params.greedy:
-                vr = verify_greedy(draft_tokens[i][:n_ver], argmax[lo:hi], wins[i], self.mode)
+                vr = verify_greedy(drafts[i][:n_ver], argmax[lo:hi], wins[i], self.mode)
             else:
                 probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
                 vr = verify_block(draft.tokens[i, :n_ver], probs, draft.probs[i, :n_ver], wins[i], self.mode,
                                   False, r.generator)
             self._count(r, vr, wins[i], n_ver, stats)
-            self._track_ceiling(r, draft_tokens[i], vr, wins[i], n_ver)
+            self._track_ceiling(r, drafts[i], vr, wins[i], n_ver)
             if self.recorder is not None:
                 self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver, r.request_id))
             r.num_computed += 1 + vr.accepted

@@ -3,6 +3,7 @@ only mean something on the GPU, where `python -m nanodspark.bench ...` produces 
 import json
 import shutil
 import types
+from pathlib import Path
 
 from nanodspark import bench_engine as be
 
@@ -29,6 +30,9 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert [(q["workload"], q["concurrency"]) for q in res["paired_compact_over_static"]] == [
         (w, c) for w in ("mix", "math") for c in (1, 2)]
     assert all(q["min"] <= q["compact_over_static"] <= q["max"] for q in res["paired_compact_over_static"])
+    assert all(r["engine_steps"] >= 2 for r in res["sweep"])     # a prefill step and >= 1 decode step
+    table = be.dspark_markdown(res)
+    assert "| static / no-spec |" in table and "estimated" not in table
     spec_rows = [r for r in res["sweep"] if r["mode"] != "no-spec"]
     assert all(r["step_ms_measured"] > 0 for r in spec_rows) and all("step_ms_measured" not in r for r in res["sweep"] if r["mode"] == "no-spec")
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
@@ -76,3 +80,15 @@ def test_profile_k_grid_is_dense_and_ends_at_full_blocks():
     g = be.k_grid(64, 5, points=8)
     assert g[0] == 0 and g[-1] == 320 and len(g) == 9
     assert max(b - a for a, b in zip(g, g[1:])) == 40      # no gap wider than an eighth of the range
+
+
+def test_kernel_goal_counts_of_the_committed_h200_run():
+    """The counts the walkthrough quotes are what `bench kernels-table` derives from the JSON."""
+    from nanodspark import bench
+    res = json.loads((Path(__file__).parent.parent / "benchmarks" / "kernels_h200.json").read_text())
+    goals = bench.kernel_goals(res)
+    assert (goals["bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8_graph"]["met"],
+            goals["verify_q8_speedup_ge_2x_sdpa_graph"]["met"]) == (16, 11)
+    assert goals["bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8"]["met"] == 13
+    table = bench.kernels_markdown(res)
+    assert table.count("\n") == len(res["rows"]) + 1 and "| 8 | 8k | 8 | 4 |" in table
