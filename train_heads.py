@@ -17,8 +17,11 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    `--ckpt-every` seconds, and ends exactly where an uninterrupted run would). The same run
    trains the DFlash ablation (no Markov head, no confidence, CE only), step-matched by default.
 3. `calibrate` — speculative decoding with full-block verification on held-out prompts records
-   raw confidence logits and prefix-acceptance labels; `calibration.fit_sts` fits one
-   temperature per position on one half, and the report measures ECE/AUROC/Brier on the other.
+   raw confidence logits and prefix-acceptance labels (saved; `--calib-records` refits from
+   them); on one half (stratified by workload) `calibration.fit_sts` fits one temperature per
+   position and `fit_sts_shifted` a temperature and a logit shift per position; the report
+   scores both on the other half (ECE/AUROC/Brier, offset intervals, halves swapped) and ships
+   `--sts` (default: shifted).
 4. `eval` — acceptance length tau (committed tokens per verify step, bonus included) per workload
    at T=0 and T=1, for DSpark and the DFlash ablation; per-position conditional acceptance;
    the reliability diagram (PNG). Everything goes into `report.json`.
@@ -42,8 +45,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from nanodspark import LLM, SamplingParams  # noqa: E402
-from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, offset_interval,  # noqa: E402
-                                    save_reliability_png, survival)
+from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
+                                    offset_interval, save_reliability_png, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, training_attention  # noqa: E402
 from nanodspark.loader import Tokenizer, load_model, resolve_model_dir  # noqa: E402
 from nanodspark.model import DenseAttentionContext  # noqa: E402
@@ -333,40 +336,75 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
     return res
 
 
-def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
+RECORD_KEYS = ("z", "labels", "valid", "groups")
+
+
+def calibration_records(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
+    """Raw confidence logits, prefix labels, validity and prompt ids of the fit and held-out
+    halves: recorded by speculative decoding (and saved to out/calibration_records.safetensors),
+    or read back from `--calib-records` so that a fit can be redone in seconds on a CPU."""
+    from safetensors.torch import load_file, save_file
+    if args.calib_records:
+        flat = load_file(args.calib_records)
+        return {h: [flat[f"{h}.{k}"] for k in RECORD_KEYS] for h in ("fit", "held")}
     llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=256, use_tqdm=False)
-    prompts = []
+    # Split each workload in half (stratified): an unstratified split of ~550 prompts can put a
+    # few % more of an easy workload in one half, which shows up as a constant ECE offset.
+    rng, halves = random.Random(args.seed), {"fit": [], "held": []}
     for wl in ("math", "chat", "poetry", "code"):
-        prompts += workload_prompts(tok, wl, args.calib_n, args.data_dir, at_most=True)
-    random.Random(args.seed).shuffle(prompts)
-    half = len(prompts) // 2
+        p = workload_prompts(tok, wl, args.calib_n, args.data_dir, at_most=True)
+        rng.shuffle(p)
+        halves["fit"] += p[:len(p) // 2]
+        halves["held"] += p[len(p) // 2:]
     params = SamplingParams(temperature=args.calib_temperature, max_tokens=args.calib_tokens, seed=args.seed)
-    z_fit, y_fit, v_fit, _, _ = record_spec(llm, prompts[:half], params)
-    z_ev, y_ev, v_ev, g_ev, _ = record_spec(llm, prompts[half:], params)
-    temps = fit_sts(z_fit, y_fit, v_fit)
-    report = calibration_report(z_ev, y_ev, v_ev, temps)
-    print(report.format(), flush=True)
-    # How much of what is left is the split, and how much a real offset? (1) the other
-    # direction: fit on the held-out half, score on the fit half; (2) mean prediction minus
-    # observed rate after STS, with an interval that resamples prompts, not proposals.
-    swapped = calibration_report(z_fit, y_fit, v_fit, fit_sts(z_ev, y_ev, v_ev))
-    offsets = offset_interval(survival(apply_temperatures(z_ev, temps)), y_ev, v_ev, g_ev)
-    for k, ((gap, lo, hi), m) in enumerate(zip(offsets, swapped.after)):
-        print(f"pos {k + 1}: pred - observed {gap:+.4f} [{lo:+.4f}, {hi:+.4f}] (90 %, prompts resampled); "
-              f"ECE with the halves swapped {m.ece:.4f}", flush=True)
-    # ship the temperatures with the drafter
-    d = Drafter.load(ddir, llm.engine.model)
-    d.sts_temperature.copy_(temps.float())
-    d.save(ddir, dtype=torch.bfloat16)
-    save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps)
-    return {"temperatures": [round(float(t), 4) for t in temps], "held_out_proposals": int(len(z_ev)),
-            "fit_proposals": int(len(z_fit)), "calibration_temperature": args.calib_temperature,
-            "before": [vars(m) for m in report.before], "after": [vars(m) for m in report.after],
-            "mean_ece_before": report.mean_ece("before"), "mean_ece_after": report.mean_ece("after"),
-            "held_out_prompts": len(prompts) - half,
+    rec = {h: list(record_spec(llm, ps, params)[:4]) for h, ps in halves.items()}
+    save_file({f"{h}.{k}": v.contiguous() for h, r in rec.items() for k, v in zip(RECORD_KEYS, r)},
+              str(out / "calibration_records.safetensors"))
+    return rec
+
+
+def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
+    rec = calibration_records(args, ddir, tok, out)
+    (z_fit, y_fit, v_fit, _), (z_ev, y_ev, v_ev, g_ev) = rec["fit"], rec["held"]
+    # Both fits on the fit half, both scored on the held-out half: the paper's STS (one
+    # temperature per position) and STS with a logit shift per position (shipped by default).
+    fits = {"plain": (fit_sts(z_fit, y_fit, v_fit), None), "shifted": fit_sts_shifted(z_fit, y_fit, v_fit)}
+    reports = {name: calibration_report(z_ev, y_ev, v_ev, t, shifts=s) for name, (t, s) in fits.items()}
+    result = {"held_out_proposals": int(len(z_ev)), "fit_proposals": int(len(z_fit)),
+              "held_out_prompts": int(g_ev.unique().numel()), "calib_n": args.calib_n,
+              "split": "stratified by workload", "calibration_temperature": args.calib_temperature,
+              "shipped": args.sts}
+    for name, (temps, shifts) in fits.items():
+        rep = reports[name]
+        print(f"-- STS {name} (fit on one half, scored on the held-out half)\n{rep.format()}", flush=True)
+        # How much of what is left is the split, and how much a real offset? (1) the other
+        # direction: fit on the held-out half, score on the fit half; (2) mean prediction minus
+        # observed rate, with an interval that resamples prompts, not proposals.
+        t2, s2 = (fit_sts(z_ev, y_ev, v_ev), None) if name == "plain" else fit_sts_shifted(z_ev, y_ev, v_ev)
+        swapped = calibration_report(z_fit, y_fit, v_fit, t2, shifts=s2)
+        offsets = offset_interval(survival(apply_temperatures(z_ev, temps, shifts)), y_ev, v_ev, g_ev)
+        for k, ((gap, lo, hi), m) in enumerate(zip(offsets, swapped.after)):
+            print(f"pos {k + 1}: pred - observed {gap:+.4f} [{lo:+.4f}, {hi:+.4f}] (90 %, prompts resampled); "
+                  f"ECE with the halves swapped {m.ece:.4f}", flush=True)
+        result[name] = {
+            "temperatures": [round(float(t), 4) for t in temps],
+            "shifts": None if shifts is None else [round(float(x), 4) for x in shifts],
+            "after": [vars(m) for m in rep.after], "mean_ece_after": rep.mean_ece("after"),
             "offset_after_90pct_prompt_bootstrap": [[round(x, 5) for x in o] for o in offsets],
-            "swapped_halves": {"temperatures": swapped.temperatures, "after": [vars(m) for m in swapped.after],
-                               "mean_ece_after": swapped.mean_ece("after")}}
+            "swapped_halves": {"temperatures": swapped.temperatures, "shifts": swapped.shifts,
+                               "after": [vars(m) for m in swapped.after], "mean_ece_after": swapped.mean_ece("after")}}
+    result["before"] = [vars(m) for m in reports["plain"].before]
+    result["mean_ece_before"] = reports["plain"].mean_ece("before")
+    # ship the chosen calibration with the drafter
+    temps, shifts = fits[args.sts]
+    d = Drafter.load(ddir, load_model(args.target, dtype=torch.float32))
+    d.sts_temperature.copy_(temps.float())
+    d.sts_shift.copy_(torch.zeros_like(temps) if shifts is None else shifts.float())
+    d.save(ddir, dtype=torch.bfloat16)
+    save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps, shifts=shifts)
+    result.update(temperatures=result[args.sts]["temperatures"], shifts=result[args.sts]["shifts"],
+                  after=result[args.sts]["after"], mean_ece_after=result[args.sts]["mean_ece_after"])
+    return result
 
 
 # ----------------------------------------------------------------------------- main
@@ -406,6 +444,10 @@ def main(argv=None):
                     help="prompts per workload for STS, at most all of it (half fit, half held out)")
     ap.add_argument("--calib-tokens", type=int, default=256, help="tokens generated per calibration prompt")
     ap.add_argument("--calib-temperature", type=float, default=1.0)
+    ap.add_argument("--calib-records", default=None,
+                    help="refit from a saved out/calibration_records.safetensors instead of decoding")
+    ap.add_argument("--sts", choices=("shifted", "plain"), default="shifted",
+                    help="ship STS with a logit shift per position (default) or the paper's plain STS")
     ap.add_argument("--eval-n", type=int, default=40, help="prompts per workload for tau (at most all of it)")
     ap.add_argument("--eval-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
@@ -478,8 +520,8 @@ def print_summary(r: dict) -> None:
                 print(f"{wl:8} {t:>3} {a or '-':>10} {b or '-':>10} {ratio:>6}")
     if "calibration" in r:
         c = r["calibration"]
-        print("STS temperatures", c["temperatures"], "mean ECE before", round(c["mean_ece_before"], 4),
-              "after", round(c["mean_ece_after"], 4))
+        print("STS temperatures", c["temperatures"], "shifts", c.get("shifts"), "mean ECE before",
+              round(c["mean_ece_before"], 4), "after", round(c["mean_ece_after"], 4))
 
 
 if __name__ == "__main__":

@@ -166,32 +166,45 @@ def engine_step_runner(llm, context_len: int):
     return run_step
 
 
-def whole_step_runner(llm, context_len: int):
+def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`SpecDecoder.window_fn` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
-    (prompt of `context_len` random tokens, prefilled untimed) when bs changes; each timed step
-    commits tokens, so the context grows by a few hundred tokens over one batch size's grid."""
+    (prefilled untimed) when bs changes, from `prompts` (cycled; each cut to its last
+    `context_len` tokens) or, without them, `context_len` random tokens; each timed step commits
+    tokens, so the context grows by a few hundred tokens over one batch size's grid.
+
+    Real prompts make the steps look like traffic: drafts are accepted (random tokens reject
+    nearly every draft, so every step rolls back nearly every KV slot it wrote) and requests
+    have different lengths (random prompts all cross a KV block boundary on the same step)."""
     import random
     from .sampling import SamplingParams
     eng, spec = llm.engine, llm.engine.spec
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": []}
+    phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - context_len - 1),
                             ignore_eos=True)
+    vocab = eng.model_config.vocab_size
+
+    def prompt(i: int) -> list[int]:
+        if prompts:
+            return list(prompts[i % len(prompts)][-context_len:])
+        return [rng.randrange(vocab) for _ in range(context_len)]
 
     def reset(bs: int) -> None:
+        if state["bs"] is not None:
+            phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
         eng.config.max_num_seqs = max(eng.config.max_num_seqs, bs)
-        vocab = eng.model_config.vocab_size
-        state["ids"] = [eng.add_request([rng.randrange(vocab) for _ in range(context_len)], params,
-                                        queue_limit=False).request_id for _ in range(bs)]
+        state["ids"] = [eng.add_request(prompt(i), params, queue_limit=False).request_id for i in range(bs)]
         spec.window_fn = lambda reqs, draft: [spec.gamma] * len(reqs)
         sched = eng.scheduler
         while any(not r.is_decoding for r in sched.running) or sched.waiting:   # prefill, untimed
             eng.step()
+        eng.clock.reset()
         state["bs"] = bs
 
     def run_step(bs: int, k: int) -> None:
@@ -203,10 +216,13 @@ def whole_step_runner(llm, context_len: int):
         sync()
 
     def close() -> None:
+        if state["bs"] is not None:
+            phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
         spec.window_fn = None
     run_step.close = close
+    run_step.phases = phases
     return run_step
 
 
@@ -224,13 +240,19 @@ def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
 def profile(args) -> dict:
     from . import LLM
     from .cost_scheduler import profile_step_cost
-    llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb)
+    # prefix caching off, as in `bench dspark`: its block hashing is host time per step
+    llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
+              enable_prefix_cache=False)
     if llm.engine.spec is None:
         raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
     g = llm.engine.spec.gamma
     if args.scope == "whole":
         llm.engine.spec.mode = "compact"        # windows below gamma are verified as given
-        runner = whole_step_runner(llm, args.context)
+        prompts = None
+        if getattr(args, "prompts", "random") == "mix":
+            ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
+            prompts = [llm.tokenizer.encode(p.render()) for p in ps]
+        runner = whole_step_runner(llm, args.context, prompts)
     else:
         runner = engine_step_runner(llm, args.context)
     try:
@@ -241,6 +263,11 @@ def profile(args) -> dict:
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
+    table.notes = {"context": args.context, "scope": args.scope, "repeats": args.repeats, "prefix_cache": False,
+                   "prompts": getattr(args, "prompts", "random"),
+                   "phases_ms_by_bs": getattr(runner, "phases", {})}
+    for b, ph in table.notes["phases_ms_by_bs"].items():
+        print(f"bs {b}: host ms per step by phase (all K) " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     table.save(args.out)
     print(f"saved {args.out}; flat={table.is_flat()}")
     return table.to_json()
@@ -251,6 +278,7 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
     spec = llm.engine.spec
     if spec is not None:
         spec.step_times = []             # this run's (predicted, measured) step seconds only
+    llm.engine.clock.reset()
     t = time.perf_counter()
     reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
     engine_steps = 0
@@ -273,7 +301,7 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
         llm.engine.release(r.request_id)
     out = {"wall_s": round(wall, 3), "tokens": toks, "total_tok_s": round(toks / wall, 1),
            "per_user_tok_s": round(statistics.median(per_user), 2), "by_workload": by_wl,
-           "engine_steps": engine_steps}
+           "engine_steps": engine_steps, "phase_ms": llm.engine.clock.per_step_ms()}
     if spec is not None and spec.step_times:
         # the cost table's prediction next to the measured speculative step (the last 256
         # steps of the run; nan predictions = no table in use); what compact trusts vs reality
@@ -367,7 +395,11 @@ def dspark_bench(args) -> dict:
 def add_profile_args(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
-    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--context", type=int, default=256,
+                   help="prompt tokens per request (mix prompts are cut to their last --context tokens)")
+    p.add_argument("--prompts", choices=("mix", "random"), default="mix",
+                   help="mixed workload prompts (acceptance and lengths like traffic) or random tokens")
+    p.add_argument("--data-dir", default=None)
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--scope", choices=("whole", "forward"), default="whole",
@@ -475,9 +507,32 @@ def dspark_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("schedule", "draft", "plan", "copy", "forward", "argmax", "verify", "inject", "observe", "apply")
+
+
+def phase_markdown(result: dict) -> str:
+    """Host ms per engine step by phase (`Engine.clock`), one row per (point, mode): where a
+    mode's step time goes. Empty for JSON written before `phase_ms` was recorded."""
+    rows = [r for r in result["sweep"] if r.get("phase_ms")]
+    if not rows:
+        return ""
+    lines = ["| workload, conc, mode | " + " | ".join(PHASES) + " | sum | wall / step |",
+             "|---|" + "---:|" * (len(PHASES) + 2)]
+    for r in sorted(rows, key=lambda r: (r["workload"] != "mix", r["workload"], r["concurrency"])):
+        ph = r["phase_ms"]
+        lines.append(f"| {r['workload']}, {r['concurrency']}, {r['mode']} | " +
+                     " | ".join(f"{ph.get(p, 0.0):.2f}" for p in PHASES) +
+                     f" | {sum(ph.values()):.1f} | {1e3 * r['wall_s'] / max(1, r['engine_steps']):.1f} |")
+    return "\n".join(lines)
+
+
 def dspark_table(args) -> dict:
     result = json.loads(Path(args.input).read_text())
     print(dspark_markdown(result))
+    phases = phase_markdown(result)
+    if phases:
+        print("\nHost ms per engine step by phase (a phase ending in a device->host copy also holds the "
+              "GPU wait for the work queued before it):\n\n" + phases)
     return result
 
 

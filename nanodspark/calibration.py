@@ -12,6 +12,13 @@ The idea
     the T on a log grid that minimises the ECE of a_k = prod_{i<k} sigmoid(z_i/T_i) *
     sigmoid(z_k/T) against the prefix label y_k (1 iff drafts 1..k were all accepted).
     At run time c_k = sigmoid(z_k / T_k) (`apply_temperatures`).
+    STS with shifts (`fit_sts_shifted`, our addition, not in the paper): c_k = sigmoid(z_k / T_k
+    + s_k). A temperature pulls confidences towards 1/2 but cannot lower their mean when they
+    sit near 1/2 (the conditional confidences at positions 2-3 of a small drafter do), so a
+    constant over-prediction survives STS; a per-position logit shift s_k removes it. Each
+    position alternates a temperature search and a shift search (STS_SHIFT_ROUNDS times) that
+    minimise the log-loss of a_k (ECE would be minimised by a constant predictor once a shift
+    is allowed).
 
 Invariants
     * Labels are prefix labels: y_k = 1 implies y_j = 1 for j < k. `valid[n, k]` says position k
@@ -34,6 +41,8 @@ Defaults (the one place they are written down; every function takes them as para
     N_BINS = 20                 equal-width ECE / reliability bins (DeepSpec's evaluator)
     STS_T_MIN, STS_T_MAX = 0.05, 20.0 and STS_GRID_POINTS = 256, plus T = 1.0 (DeepSpec PR #63)
     STS tie-break: among grid temperatures with equal ECE, the one closest to 1 (|log T| least).
+    STS_SHIFT_MAX = 2.0, STS_SHIFT_POINTS = 201 (step 0.02, 0 included), STS_SHIFT_ROUNDS = 3;
+    shift tie-break: the smallest |s|.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ N_BINS = 20            # equal-width bins for ECE and reliability diagrams
 STS_T_MIN = 0.05       # smallest temperature on the STS grid
 STS_T_MAX = 20.0       # largest temperature on the STS grid
 STS_GRID_POINTS = 256  # log-spaced points between STS_T_MIN and STS_T_MAX (T = 1.0 is added)
+STS_SHIFT_MAX = 2.0    # largest |logit shift| searched by fit_sts_shifted
+STS_SHIFT_POINTS = 201 # evenly spaced shifts in [-STS_SHIFT_MAX, STS_SHIFT_MAX]
+STS_SHIFT_ROUNDS = 3   # temperature <-> shift alternations per position
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +162,17 @@ def survival(conf: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(conf, dim=-1)
 
 
-def apply_temperatures(logits: torch.Tensor, temps) -> torch.Tensor:
-    """Calibrated conditional confidences c_k = sigmoid(z_k / T_k); logits [..., gamma].
+def apply_temperatures(logits: torch.Tensor, temps, shifts=None) -> torch.Tensor:
+    """Calibrated conditional confidences c_k = sigmoid(z_k / T_k + s_k); logits [..., gamma]
+    (shifts default to 0: plain STS).
 
     Runs on the logits' device and dtype (temps are moved there), so the engine can call it on
     the drafter output without a host sync.
     """
     t = torch.as_tensor(temps, dtype=logits.dtype, device=logits.device)
-    return torch.sigmoid(logits / t)
+    if shifts is None:
+        return torch.sigmoid(logits / t)
+    return torch.sigmoid(logits / t + torch.as_tensor(shifts, dtype=logits.dtype, device=logits.device))
 
 
 def sts_grid(t_min: float = STS_T_MIN, t_max: float = STS_T_MAX,
@@ -177,6 +192,48 @@ def _ece_per_candidate(pred: torch.Tensor, label: torch.Tensor, n_bins: int) -> 
     return gap.view(g, n_bins).abs().sum(1) / n
 
 
+def shift_grid(s_max: float = STS_SHIFT_MAX, n_points: int = STS_SHIFT_POINTS) -> torch.Tensor:
+    """Sorted float64 grid of logit shifts, evenly spaced in [-s_max, s_max] (0 included when
+    n_points is odd)."""
+    return torch.linspace(-s_max, s_max, n_points, dtype=torch.float64)
+
+
+def _nll_per_candidate(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Mean log-loss of each column of pred [N, G] against label [N]; returns [G]."""
+    p = pred.clamp(1e-12, 1.0 - 1e-12)
+    y = label.unsqueeze(1)
+    return -(y * p.log() + (1.0 - y) * (1.0 - p).log()).mean(0)
+
+
+def _pick(err: torch.Tensor, grid: torch.Tensor, distance: torch.Tensor) -> float:
+    """The grid value of least error; among equal errors the one of least `distance`."""
+    best = torch.isclose(err, err.min(), rtol=0.0, atol=1e-12)
+    return float(grid[torch.where(best, distance, torch.inf).argmin()])
+
+
+def _fit_sequential(logits, labels, valid, temp_grid, shifts_grid, rounds: int, n_bins: int,
+                    objective: str = "ece"):
+    z, y = _f64(logits), _f64(labels)
+    v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
+    t_dist, s_dist = temp_grid.log().abs(), shifts_grid.abs()   # tie-breaks: T near 1, s near 0
+    gamma = z.shape[-1]
+    temps = torch.ones(gamma, dtype=torch.float64)
+    shifts = torch.zeros(gamma, dtype=torch.float64)
+    prefix = torch.ones(z.shape[0], dtype=torch.float64)        # prod_{i<k} c_i (already fitted)
+    for k in range(gamma):
+        rows = v[:, k]
+        if rows.any():
+            p, zk, yk = prefix[rows].unsqueeze(1), z[rows, k].unsqueeze(1), y[rows, k]
+            loss = ((lambda pred: _ece_per_candidate(pred, yk, n_bins)) if objective == "ece"
+                    else (lambda pred: _nll_per_candidate(pred, yk)))
+            for _ in range(rounds):
+                temps[k] = _pick(loss(p * torch.sigmoid(zk / temp_grid + shifts[k])), temp_grid, t_dist)
+                if len(shifts_grid) > 1:
+                    shifts[k] = _pick(loss(p * torch.sigmoid(zk / temps[k] + shifts_grid)), shifts_grid, s_dist)
+        prefix = prefix * torch.sigmoid(z[:, k] / temps[k] + shifts[k])
+    return temps, shifts
+
+
 def fit_sts(logits, labels, valid=None, grid=None, n_bins: int = N_BINS) -> torch.Tensor:
     """Sequential Temperature Scaling: one temperature per position, fitted left to right.
 
@@ -185,22 +242,23 @@ def fit_sts(logits, labels, valid=None, grid=None, n_bins: int = N_BINS) -> torc
     grid: candidate temperatures (default `sts_grid()`).
     Returns temperatures [gamma] (float64). A position with no valid rows keeps T = 1.
     """
-    z, y = _f64(logits), _f64(labels)
-    v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
     grid = sts_grid() if grid is None else _f64(grid)
-    closeness = grid.log().abs()                 # tie-break: prefer temperatures near 1
-    gamma = z.shape[-1]
-    temps = torch.ones(gamma, dtype=torch.float64)
-    prefix = torch.ones(z.shape[0], dtype=torch.float64)        # prod_{i<k} sigmoid(z_i / T_i)
-    for k in range(gamma):
-        rows = v[:, k]
-        if rows.any():
-            cand = prefix[rows].unsqueeze(1) * torch.sigmoid(z[rows, k].unsqueeze(1) / grid)
-            err = _ece_per_candidate(cand, y[rows, k], n_bins)
-            best = torch.isclose(err, err.min(), rtol=0.0, atol=1e-12)
-            temps[k] = grid[torch.where(best, closeness, torch.inf).argmin()]
-        prefix = prefix * torch.sigmoid(z[:, k] / temps[k])
-    return temps
+    return _fit_sequential(logits, labels, valid, grid, torch.zeros(1, dtype=torch.float64), 1, n_bins)[0]
+
+
+def fit_sts_shifted(logits, labels, valid=None, grid=None, shifts=None, n_bins: int = N_BINS,
+                    rounds: int = STS_SHIFT_ROUNDS) -> tuple[torch.Tensor, torch.Tensor]:
+    """STS with a logit shift per position: (temperatures [gamma], shifts [gamma]), float64.
+
+    Same sequential order as `fit_sts`; at each position a temperature search on `grid` and a
+    shift search on `shifts` (default `shift_grid()`) alternate `rounds` times, starting from
+    T = 1, s = 0. The objective is the log-loss of the survival, not its ECE: with a shift, a
+    huge T and s = logit(mean rate) make a constant predictor whose ECE is ~0 and whose ranking
+    is gone; a proper scoring rule does not reward that. A position with no valid rows keeps (1, 0).
+    """
+    grid = sts_grid() if grid is None else _f64(grid)
+    return _fit_sequential(logits, labels, valid, grid, shift_grid() if shifts is None else _f64(shifts),
+                           rounds, n_bins, objective="nll")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,11 +326,12 @@ def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[Pos
 
 @dataclass
 class CalibrationReport:
-    """Per-position metrics before (raw, T = 1) and after STS."""
+    """Per-position metrics before (raw, T = 1) and after STS (with shifts when `shifts`)."""
     temperatures: list[float]
     before: list[PositionMetrics]
     after: list[PositionMetrics]
     n_bins: int = N_BINS
+    shifts: list[float] | None = None
 
     def mean_ece(self, which: str = "after") -> float:
         """Count-weighted mean ECE over positions ("before" or "after")."""
@@ -282,12 +341,13 @@ class CalibrationReport:
 
     def format(self) -> str:
         """A plain-text table, one line per position."""
-        head = (f"{'pos':>3} {'T':>7} {'n':>7} | {'ECE raw':>8} {'ECE sts':>8} | {'AUROC raw':>9} "
+        head = (f"{'pos':>3} {'T':>7} {'shift':>6} {'n':>7} | {'ECE raw':>8} {'ECE sts':>8} | {'AUROC raw':>9} "
                 f"{'AUROC sts':>9} | {'Brier raw':>9} {'Brier sts':>9} | {'pred raw':>8} "
                 f"{'pred sts':>8} {'observed':>8} | {'ECE floor':>9}")
         lines = [head, "-" * len(head)]
-        for k, (t, b, a) in enumerate(zip(self.temperatures, self.before, self.after)):
-            lines.append(f"{k + 1:>3} {t:>7.3f} {b.count:>7d} | {b.ece:>8.4f} {a.ece:>8.4f} | "
+        shifts = self.shifts or [0.0] * len(self.temperatures)
+        for k, (t, s, b, a) in enumerate(zip(self.temperatures, shifts, self.before, self.after)):
+            lines.append(f"{k + 1:>3} {t:>7.3f} {s:>+6.2f} {b.count:>7d} | {b.ece:>8.4f} {a.ece:>8.4f} | "
                          f"{b.auroc:>9.4f} {a.auroc:>9.4f} | {b.brier:>9.4f} {a.brier:>9.4f} | "
                          f"{b.mean_pred:>8.4f} {a.mean_pred:>8.4f} {b.mean_observed:>8.4f} | "
                          f"{a.ece_floor:>9.4f}")
@@ -296,17 +356,20 @@ class CalibrationReport:
         return "\n".join(lines)
 
 
-def calibration_report(logits, labels, valid=None, temps=None, n_bins: int = N_BINS) -> CalibrationReport:
-    """Metrics of the raw head (T = 1) and of the head with `temps` (fitted by STS if None)."""
+def calibration_report(logits, labels, valid=None, temps=None, n_bins: int = N_BINS,
+                       shifts=None) -> CalibrationReport:
+    """Metrics of the raw head (T = 1) and of the head with `temps` (and `shifts`, if given);
+    temps=None fits plain STS."""
     z = _f64(logits)
     temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
     raw = survival(torch.sigmoid(z))
-    cal = survival(apply_temperatures(z, temps))
+    cal = survival(apply_temperatures(z, temps, None if shifts is None else _f64(shifts)))
     return CalibrationReport(
         temperatures=[float(t) for t in temps],
         before=position_metrics(raw, labels, valid, n_bins),
         after=position_metrics(cal, labels, valid, n_bins),
         n_bins=n_bins,
+        shifts=None if shifts is None else [float(x) for x in shifts],
     )
 
 
@@ -418,16 +481,17 @@ def _panel(bins_raw: ReliabilityBins, bins_cal: ReliabilityBins, size: int, hist
 
 def save_reliability_png(path, logits, labels, valid=None, temps=None, n_bins: int = N_BINS,
                          panel_px: int = 160, hist_px: int = 40, gap_px: int = 8,
-                         dot_radius: int = 2) -> Path:
+                         dot_radius: int = 2, shifts=None) -> Path:
     """Reliability diagrams of cumulative survival, one panel per position, side by side.
 
-    Red = raw head (T = 1), blue = after STS (`temps`, fitted if None); grey bars = how many
+    Red = raw head (T = 1), blue = after STS (`temps`, fitted if None; with `shifts` if given); grey bars = how many
     samples fall in each bin after STS. x = mean predicted survival, y = observed prefix rate.
     """
     z = _f64(logits)
     temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
     v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
-    raw, cal, y = survival(torch.sigmoid(z)), survival(apply_temperatures(z, temps)), _f64(labels)
+    cal = survival(apply_temperatures(z, temps, None if shifts is None else _f64(shifts)))
+    raw, y = survival(torch.sigmoid(z)), _f64(labels)
     panels = []
     for k in range(z.shape[-1]):
         rk = reliability(raw[v[:, k], k], y[v[:, k], k], n_bins)

@@ -30,8 +30,8 @@ Invariants
     * Sort order of cells: survival descending, then position ascending, then request ascending.
     * A cell with survival 0 is never admitted.
     * `allocate_windows_topk` never reads a device value back to the host.
-    * A cost table is non-decreasing in bs and in K; without one (or with a flat one) nothing
-      is trimmed: the full budget R * gamma is verified.
+    * A cost table is non-decreasing in K at every batch size; without one (or with a flat
+      one) nothing is trimmed: the full budget R * gamma is verified.
     * The relay gives survival 1.0 (conservative: verify everything) to a slot whose lagged
       entry is missing, stale (another step) or recycled (another generation id).
 
@@ -41,13 +41,15 @@ Defaults (the one place they are written down; every function takes them as para
                                  (the value TensorRT-LLM's `confidence_min_predicted_gain` uses)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
     DEFAULT_REPEATS = 5          timed repetitions per (bs, K) in `profile_step_cost` (median)
-    DEFAULT_WARMUP = 1           untimed calls per (bs, K) before the timed ones
+    DEFAULT_WARMUP = 1           untimed rounds over a batch size's K grid before the timed ones
+    DEFAULT_SETTLE = 1           untimed steps of the same (bs, K) right before each timed one
     DEFAULT_FLAT_REL_TOL = 0.01  a table is flat if T(bs, K) varies by < 1 % over K at every bs
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 import warnings
@@ -63,6 +65,7 @@ DEFAULT_MIN_GAIN = 0.04
 DEFAULT_SURVIVAL_EPS = 1e-6
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 1
+DEFAULT_SETTLE = 1
 DEFAULT_FLAT_REL_TOL = 0.01
 MODES = ("static", "compact", "cap-accept")
 
@@ -118,24 +121,29 @@ class AdditiveCost:
 
 
 def force_monotone(measurements: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """Raise each T(bs, K) to the largest value at any smaller-or-equal (bs', K') measured.
+    """Raise each T(bs, K) to the largest value at a smaller-or-equal K of the same bs.
 
-    Noise can make a bigger step look cheaper; the scheduler must never believe that.
+    Noise can make verifying more tokens look cheaper; the scheduler must never believe that.
+    Only along K: the scheduler compares steps of one batch size, and forcing across batch sizes
+    too would let one slow outlier at a small bs inflate every larger bs.
     """
     out: dict[tuple[int, int], float] = {}
     for bs, k in sorted(measurements):
-        v = measurements[(bs, k)]
-        for (b2, k2), v2 in out.items():
-            if b2 <= bs and k2 <= k:
-                v = max(v, v2)
-        out[(bs, k)] = v
+        prev = [v for (b2, k2), v in out.items() if b2 == bs and k2 <= k]
+        out[(bs, k)] = max([measurements[(bs, k)]] + prev)
     return out
 
 
 @dataclass
 class CostTable:
-    """Measured step seconds {(bs, K): s} and the additive model fitted to them.
+    """Measured step seconds {(bs, K): s} (the staircase) and the additive model fitted to them.
 
+    The scheduler reads the staircase (`curve`, `staircase`): within a measured batch size, the
+    cost of K is the measured cost at the first profiled K' >= K (conservative: a cliff between
+    two points is charged early); between measured batch sizes, linear in bs at the same drafts
+    per request. The additive model is fitted and printed next to it: it explains the cost, but
+    a smooth fit erases the cliffs that make trimming pay (and one outlier bends it everywhere).
+    `raw` keeps the medians before `force_monotone`.
     Keyed (for `save` / `load`) by model name, dtype, device and the graph tiers in use, since a
     table measured under one of those says nothing about another.
     """
@@ -145,6 +153,9 @@ class CostTable:
     device: str = ""
     graph_tiers: tuple[int, ...] = ()
     additive: AdditiveCost | None = None
+    raw: dict[tuple[int, int], float] = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)      # how it was measured (context, phases, ...)
+    _row_cache: tuple = field(default=(), init=False, repr=False, compare=False)
 
     # ---- fitting and prediction ----
     def fit_additive(self, m_knots: Sequence[int] | None = None) -> AdditiveCost:
@@ -173,13 +184,50 @@ class CostTable:
     def model(self) -> AdditiveCost:
         return self.additive if self.additive is not None else self.fit_additive()
 
+    def _rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{bs: (K values, seconds)}, sorted; rebuilt only when the measurements change
+        (the scheduler reads the table every step)."""
+        key = (id(self.measurements), len(self.measurements))
+        if not self._row_cache or self._row_cache[0] != key:
+            rows: dict[int, list] = {}
+            for (b, k), s in sorted(self.measurements.items()):
+                rows.setdefault(b, []).append((k, s))
+            self._row_cache = (key, {b: (np.array([k for k, _ in v], dtype=np.float64), np.array([s for _, s in v]))
+                                     for b, v in rows.items()})
+        return self._row_cache[1]
+
+    @staticmethod
+    def _lookup(ks: np.ndarray, s: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """Cost at the first measured K' >= want (ceiling lookup); past the last K, the last."""
+        return s[np.minimum(np.searchsorted(ks, want - 1e-9, side="left"), len(ks) - 1)]
+
+    def staircase(self, bs: int, ks) -> np.ndarray:
+        """Predicted seconds at batch size bs for each K in ks, read off the measured staircase.
+
+        At a measured bs: ceiling lookup in K. Between measured batch sizes lo < bs < hi: linear
+        in bs between lo's cost at K * lo / bs and hi's at K * hi / bs (the same drafts per
+        request). Outside the measured range: the nearest batch size at the same drafts per request.
+        """
+        rows = self._rows()
+        if not rows:
+            raise ValueError("cannot read an empty cost table")
+        ks = np.asarray(ks, dtype=np.float64).reshape(-1)
+        bss = sorted(rows)
+        lo = max([b for b in bss if b <= bs], default=bss[0])
+        hi = min([b for b in bss if b >= bs], default=bss[-1])
+        c_lo = self._lookup(*rows[lo], ks * lo / bs)
+        if hi == lo:
+            return c_lo
+        w = (bs - lo) / (hi - lo)
+        return (1.0 - w) * c_lo + w * self._lookup(*rows[hi], ks * hi / bs)
+
     def predict(self, bs: int, k: int) -> float:
         """Predicted seconds of a verify step with bs requests and k extra (draft) tokens."""
-        return self.model()(bs, k)
+        return float(self.staircase(bs, [k])[0])
 
     def curve(self, bs: int, k_max: int) -> np.ndarray:
         """Predicted seconds for K = 0..k_max at batch size bs."""
-        return self.model().curve(bs, np.arange(k_max + 1))
+        return self.staircase(bs, np.arange(k_max + 1))
 
     def is_flat(self, rel_tol: float = DEFAULT_FLAT_REL_TOL) -> bool:
         """True when no measured batch size shows the cost growing with K (or nothing measured).
@@ -192,11 +240,14 @@ class CostTable:
         return all(max(v) - min(v) <= rel_tol * min(v) for v in by_bs.values())
 
     def format_fit(self) -> str:
-        """Measured vs predicted milliseconds for every measured (bs, K)."""
-        lines = [f"{'bs':>5} {'K':>5} {'M':>6} {'measured ms':>12} {'predicted ms':>13} {'err %':>7}"]
+        """Raw median, monotone (what the scheduler reads) and additive-fit milliseconds for
+        every measured (bs, K)."""
+        model = self.model()
+        lines = [f"{'bs':>5} {'K':>5} {'M':>6} {'raw ms':>9} {'monotone ms':>12} {'additive ms':>12} {'err %':>7}"]
         for (b, k), s in sorted(self.measurements.items()):
-            p = self.predict(b, k)
-            lines.append(f"{b:>5} {k:>5} {b + k:>6} {1e3 * s:>12.3f} {1e3 * p:>13.3f} "
+            p = model(b, k)
+            raw = self.raw.get((b, k), float("nan"))
+            lines.append(f"{b:>5} {k:>5} {b + k:>6} {1e3 * raw:>9.3f} {1e3 * s:>12.3f} {1e3 * p:>12.3f} "
                          f"{100 * (p - s) / s if s else float('nan'):>7.2f}")
         return "\n".join(lines)
 
@@ -209,7 +260,8 @@ class CostTable:
     def to_json(self) -> dict:
         d = {"model_name": self.model_name, "dtype": self.dtype, "device": self.device,
              "graph_tiers": list(self.graph_tiers),
-             "measurements": [[b, k, s] for (b, k), s in sorted(self.measurements.items())]}
+             "measurements": [[b, k, s] for (b, k), s in sorted(self.measurements.items())],
+             "raw": [[b, k, s] for (b, k), s in sorted(self.raw.items())], "notes": self.notes}
         if self.additive is not None:
             a = self.additive
             d["additive"] = {"bias": a.bias, "bs_knots": list(a.bs_knots), "alpha": list(a.alpha),
@@ -223,6 +275,7 @@ class CostTable:
             measurements={(int(b), int(k)): float(s) for b, k, s in d["measurements"]},
             model_name=d.get("model_name", ""), dtype=d.get("dtype", ""), device=d.get("device", ""),
             graph_tiers=tuple(int(t) for t in d.get("graph_tiers", ())),
+            raw={(int(b), int(k)): float(s) for b, k, s in d.get("raw", [])}, notes=d.get("notes", {}),
             additive=None if add is None else AdditiveCost(
                 float(add["bias"]), tuple(add["bs_knots"]), tuple(add["alpha"]),
                 tuple(add["m_knots"]), tuple(add["theta"])))
@@ -250,7 +303,8 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                       extra_tokens: Sequence[int] | Callable[[int], Sequence[int]],
                       repeats: int = DEFAULT_REPEATS, timer: Callable[[], float] = time.perf_counter,
                       warmup: int = DEFAULT_WARMUP, model_name: str = "", dtype: str = "",
-                      device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True) -> CostTable:
+                      device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True,
+                      settle: int = DEFAULT_SETTLE, shuffle: bool = True) -> CostTable:
     """Time run_step(bs, K) on a (bs, K) staircase; medians, forced monotone, additive fit.
 
     run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
@@ -259,19 +313,33 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
     """
     from tqdm.auto import tqdm
 
-    grid = [(b, k) for b in batch_sizes
-            for k in (extra_tokens(b) if callable(extra_tokens) else extra_tokens)]
-    raw: dict[tuple[int, int], float] = {}
-    for b, k in tqdm(grid, desc="profiling step cost", disable=not verbose):
-        for _ in range(warmup):
-            run_step(b, k)
-        times = []
-        for _ in range(repeats):
-            t0 = timer()
-            run_step(b, k)
-            times.append(timer() - t0)
-        raw[(b, k)] = statistics.median(times)
-    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers))
+    ks = {b: list(extra_tokens(b) if callable(extra_tokens) else extra_tokens) for b in batch_sizes}
+    times: dict[tuple[int, int], list[float]] = {(b, k): [] for b in batch_sizes for k in ks[b]}
+    bar = tqdm(total=sum(len(v) for v in ks.values()) * (warmup + repeats), desc="profiling step cost",
+               disable=not verbose)
+    for b in batch_sizes:
+        # rounds over the K grid of one batch size: a slow stretch of the machine (clocks, a
+        # garbage collection) lands on one repeat of many points, not on every repeat of one.
+        # `settle` untimed steps of the same shape before each timed one: a step's cost depends
+        # on the shape of the step before it. `shuffle`: each round visits the K grid in a new
+        # (seeded) order, so an event that recurs every n steps (on the H200 a ~45 ms stall hit
+        # one K of every round in a fixed order) cannot land on the same point every round.
+        rng = random.Random(b)
+        for r in range(warmup + repeats):
+            order = list(ks[b])
+            if shuffle:
+                rng.shuffle(order)
+            for k in order:
+                for _ in range(settle if r >= warmup else 0):
+                    run_step(b, k)
+                t0 = timer()
+                run_step(b, k)
+                if r >= warmup:
+                    times[(b, k)].append(timer() - t0)
+                bar.update()
+    bar.close()
+    raw = {key: statistics.median(v) for key, v in times.items()}
+    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers), raw=raw)
     table.fit_additive()
     if verbose:
         print(table.format_fit())
@@ -332,13 +400,13 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     tokens and the cost model is only a model). A step cost that does not vary with K (flat
     table) also returns the full budget.
     """
-    s = torch.as_tensor(survival_lagged, dtype=torch.float64).cpu()
+    s = torch.as_tensor(survival_lagged, dtype=torch.float64).cpu().numpy()
     R, gamma = s.shape
     full = R * gamma
     if full == 0:
         return 0
-    vals = torch.sort(torch.where(s >= survival_eps, s, 0.0).flatten(), descending=True).values
-    tau = R + np.concatenate([[0.0], np.cumsum(vals.numpy())])
+    vals = np.sort(np.where(s >= survival_eps, s, 0.0).reshape(-1))[::-1]   # host numpy: no torch dispatch
+    tau = R + np.concatenate([[0.0], np.cumsum(vals)])
     times = _step_time_curve(step_time, R, full)
     if times.max() - times.min() <= 0.0:
         return full
@@ -358,6 +426,8 @@ def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tens
     a = torch.cumprod(conf_current.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
     R, gamma = a.shape
     k = max(0, min(int(budget), R * gamma))
+    if k == R * gamma:                             # the full budget: every positive cell, no sort
+        return (a > 0).sum(1)
     flat = a.t().reshape(-1)                       # index = position * R + request
     order = torch.sort(flat, descending=True, stable=True).indices[:k]
     admitted = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, order, True) & (flat > 0)

@@ -15,10 +15,12 @@ Three parts, one forward:
    to slot k's base logits while sampling left to right; slot 0 conditions on the anchor. The
    draft distribution of slot k is therefore an exact softmax given the sampled prefix, which is
    what lossless rejection sampling needs (verify.py).
-3. **Confidence head** (§3.2, Eq. 7). `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k)`: the
-   probability that draft k survives verification given that the drafts before it did. `T_k`
-   are the Sequential Temperature Scaling temperatures (identity until `calibration.fit_sts`
-   sets them). Cumulative survival `a_k = c_1 ... c_k` feeds the cost scheduler.
+3. **Confidence head** (§3.2, Eq. 7). `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k + s_k)`:
+   the probability that draft k survives verification given that the drafts before it did.
+   `T_k` are the Sequential Temperature Scaling temperatures and `s_k` logit shifts (our
+   addition; identity / zero until `calibration.fit_sts_shifted` sets them; a checkpoint
+   without `sts_shift` loads with zeros). Cumulative survival `a_k = c_1 ... c_k` feeds the
+   cost scheduler.
 
 Invariants: the drafter's context cache holds, for every committed position `p` of a request, the
 injected K/V of the target features at `p`; the anchor's own features are never in it (the
@@ -128,6 +130,7 @@ class Drafter(nn.Module):
         if cfg.confidence:
             self.confidence_head = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
         self.register_buffer("sts_temperature", torch.ones(cfg.gamma))
+        self.register_buffer("sts_shift", torch.zeros(cfg.gamma))   # logit shift (calibration.fit_sts_shifted)
         # Shared with the target and frozen; kept out of state_dict() by _shared.
         self._shared = (embed, lm_head)
 
@@ -200,16 +203,17 @@ class Drafter(nn.Module):
             probs.append(p)
             prev = t
         z = torch.stack(zs, 1)
-        conf = torch.sigmoid(z / self.sts_temperature[None, :])
+        conf = torch.sigmoid(z / self.sts_temperature[None, :] + self.sts_shift[None, :])
         return Draft(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), z, conf)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
-        """config.json + model.safetensors; `dtype` casts the weights (STS temperatures stay fp32)."""
+        """config.json + model.safetensors; `dtype` casts the weights (STS temperatures and
+        shifts stay fp32)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2))
-        state = {k: (v if dtype is None or k == "sts_temperature" else v.to(dtype)).detach().cpu().contiguous()
+        state = {k: (v if dtype is None or k.startswith("sts_") else v.to(dtype)).detach().cpu().contiguous()
                  for k, v in self.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
@@ -228,6 +232,7 @@ class Drafter(nn.Module):
         d = cls(cfg, target.model.embed_tokens, target.lm_head)
         state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
         missing, unexpected = d.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "sts_shift"]     # checkpoints calibrated with plain STS
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
         return d.to(device=device, dtype=dtype).eval()

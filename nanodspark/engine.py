@@ -36,6 +36,7 @@ from .model import KVCache
 from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
 from .runner import Chunk, ModelRunner
 from .sampling import SamplingParams, make_generator, sample_tokens, target_probs
+from .speculative import PhaseClock
 from .swa_replay import plan_replay
 
 
@@ -260,6 +261,7 @@ class LLMEngine:
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
         self.spec = None
+        self.clock = PhaseClock()
         if drafter is not None:
             managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
             self.spec = self._make_spec(drafter, managers["draft"], num_blocks)
@@ -372,19 +374,23 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.clock.start()                                   # host time per phase (bench dspark)
         plan = self.scheduler.schedule(self.decode_rows)     # choose
         if not plan:
             return []
-        if self.spec is not None:
-            commits = self.spec.step(self, plan)                # draft -> verify
-        else:
-            commits = self.forward_and_sample(plan)             # forward -> sample
-        return [self._apply(req, toks) for req, toks in commits]  # commit
+        self.clock.lap("schedule")
+        commits = self.spec.step(self, plan) if self.spec else self.forward_and_sample(plan)  # draft -> verify
+        outs = [self._apply(req, toks) for req, toks in commits]  # commit
+        self.clock.lap("apply")
+        self.clock.steps += 1
+        return outs
 
     def forward_and_sample(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
         chunks = [self.chunk_of(req, rows) for req, rows in plan]
         result = self.runner.forward(chunks)
-        return self.sample_commits(plan, chunks, result.logits, result.logit_offsets)
+        commits = self.sample_commits(plan, chunks, result.logits, result.logit_offsets)
+        self.clock.lap("forward")
+        return commits
 
     def chunk_of(self, req: Request, rows: int, extra: list[int] = (), logit_rows: str | None = None) -> Chunk:
         start = req.num_computed

@@ -14,11 +14,10 @@ committed positions; a window never lets a request run past `max_tokens` or `max
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
-
-import time
 
 from .calibration import OnlineCalibrationMetrics
 from .cost_scheduler import CostScheduler
@@ -38,6 +37,36 @@ class SpecStepStats:
     committed: int = 0
     windows: list[int] = field(default_factory=list)
     accepted_each: list[int] = field(default_factory=list)
+
+
+class PhaseClock:
+    """Host milliseconds per phase of an engine step, summed over steps (`Engine.clock`).
+
+    The engine is host-bound on small models, so where the host spends a step is the first thing
+    to read when one verify mode is slower than the cost model says. A lap that ends in a
+    device->host copy also holds the wait for the GPU work queued before it: the drafter's in
+    `plan` (compact: the windows' copy) or `copy` (static: the draft tokens' copy), the target's
+    in `argmax`. Compare sums of phases across modes, not one phase.
+    """
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.total[name] = self.total.get(name, 0.0) + t - self._t
+        self._t = t
+
+    def reset(self) -> None:
+        self.total, self.steps = {}, 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.total.items()}
 
 
 class SpecDecoder:
@@ -94,21 +123,26 @@ class SpecDecoder:
             return sample_tokens(probs, params, gens), probs
         return self.drafter.propose(anchors, pos, self.cache, bt, self.manager.block_size, sample_fn)
 
-    def windows(self, reqs, draft: Draft) -> tuple[list[int], float]:
-        """Per-request windows and the cost table's predicted step time (nan without one)."""
+    def windows(self, reqs, draft: Draft, conf_host: torch.Tensor) -> tuple[list[int], float]:
+        """Per-request windows and the cost table's predicted step time (nan without one).
+
+        conf_host: this step's calibrated confidences, already on the host. This loop is
+        synchronous (it copies the draft tokens to the host anyway), so the relay and the top-K
+        both read one host copy: on a host-bound engine each device op costs tens of
+        microseconds of launch time, more than the whole top-K over R * gamma cells on the CPU.
+        """
         if self.window_fn is not None:
             return list(self.window_fn(reqs, draft)), float("nan")
         if self.mode == "static":
             return [self.gamma] * len(reqs), float("nan")
         ids = [self.slot_of(r) for r in reqs]
-        plan = self.scheduler.plan(torch.tensor([i[0] for i in ids]), torch.tensor([i[1] for i in ids]),
-                                   draft.confidence)
+        plan = self.scheduler.plan(torch.tensor([i[0] for i in ids]), torch.tensor([i[1] for i in ids]), conf_host)
         return plan.windows.tolist(), plan.predicted_step_time
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, eng, plan):
-        t0 = time.perf_counter()
+        t0, lap = time.perf_counter(), eng.clock.lap
         pre = [(r, n) for r, n in plan if not r.is_decoding]
         dec = [r for r, _ in plan if r.is_decoding]
         for r in dec:
@@ -116,10 +150,14 @@ class SpecDecoder:
                 self._settle(r)
         chunks = [eng.chunk_of(r, n) for r, n in pre]
         draft = self.draft(dec) if dec else None
+        lap("draft")
         limits, wins, drafts, predicted = [], [], [], float("nan")
         if dec:
-            windows, predicted = self.windows(dec, draft)
             drafts = draft.tokens.tolist()          # one device->host copy for the whole batch
+            conf_host = draft.confidence.float().cpu()
+            lap("copy")
+            windows, predicted = self.windows(dec, draft, conf_host)
+            lap("plan")
             for r, w, d in zip(dec, windows, drafts):
                 room = min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.num_tokens) - 1
                 n_ver = min(w if self.mode == "compact" else self.gamma, room)
@@ -128,12 +166,14 @@ class SpecDecoder:
                 chunks.append(Chunk(r.tables, r.num_computed, [r.all_ids[-1]] + d[:n_ver],
                                     "all", r.replay_until, r.kv_start))
         res = eng.runner.forward(chunks, capture_layers=self.capture)
+        lap("forward")
         starts = [c.start for c in chunks]
         commits = eng.sample_commits(pre, chunks[:len(pre)], res.logits, res.logit_offsets)
         committed_rows = [len(c.token_ids) for c in chunks[:len(pre)]]
         stats = SpecStepStats(requests=len(dec))
         # One device->host copy for every greedy row of the step instead of one per request.
         argmax = res.logits.argmax(-1).tolist() if any(r.params.greedy for r in dec) else None
+        lap("argmax")
         for i, r in enumerate(dec):
             j = len(pre) + i
             lo, hi = res.logit_offsets[j], res.logit_offsets[j + 1]
@@ -151,19 +191,22 @@ class SpecDecoder:
             r.num_computed += 1 + vr.accepted
             committed_rows.append(1 + vr.accepted)
             commits.append((r, vr.tokens))
+        lap("verify")
         self._inject(chunks, starts, committed_rows, res)
+        lap("inject")
         if dec:
-            self._observe(draft, stats)
+            self._observe(conf_host, stats)
             self.step_times = (self.step_times + [(predicted, time.perf_counter() - t0)])[-256:]
+        lap("observe")
         return commits
 
-    def _observe(self, draft: Draft, stats: SpecStepStats) -> None:
+    def _observe(self, conf_host: torch.Tensor, stats: SpecStepStats) -> None:
         """Online calibration: survivals vs prefix-acceptance labels of the verified positions."""
         k = torch.arange(self.gamma)
         acc = torch.tensor(stats.accepted_each)
         labels = (k[None, :] < acc[:, None]).float()
         valid = k[None, :] < torch.tensor(stats.windows)[:, None]
-        self.online.update(draft.survival.float().cpu(), labels, valid)
+        self.online.update(torch.cumprod(conf_host, dim=1), labels, valid)
 
     def _count(self, r, vr, window, n_ver, stats: SpecStepStats) -> None:
         verified = window if self.mode != "static" else n_ver

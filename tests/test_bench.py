@@ -17,7 +17,8 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     table = tmp_path / "cost.json"
     be.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
                                      out=str(table), scope="forward"))
-    assert str(model) in next(iter(json.loads(table.read_text())))
+    saved = next(iter(json.loads(table.read_text()).values()))
+    assert saved["model_name"] == str(model) and saved["notes"]["context"] == 16 and len(saved["raw"]) == len(saved["measurements"])
     out = tmp_path / "dspark.json"
     res = be.dspark_bench(types.SimpleNamespace(
         model=str(model), cost_table=str(table), concurrency=[1, 2], workloads=["mix", "math"], min_requests=2,
@@ -35,6 +36,13 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert "| static / no-spec |" in table and "estimated" not in table
     spec_rows = [r for r in res["sweep"] if r["mode"] != "no-spec"]
     assert all(r["step_ms_measured"] > 0 for r in spec_rows) and all("step_ms_measured" not in r for r in res["sweep"] if r["mode"] == "no-spec")
+    # host time per phase: every speculative phase is timed, and the phases tile the engine step
+    assert all(set(r["phase_ms"]) == set(be.PHASES) for r in spec_rows)
+    assert all({"schedule", "forward", "apply"} <= set(r["phase_ms"]) for r in res["sweep"] if r["mode"] == "no-spec")
+    # (wall_s is rounded to the millisecond, hence the slack)
+    assert all(0 < sum(r["phase_ms"].values()) <= 1e3 * (r["wall_s"] + 1e-3) / r["engine_steps"] for r in res["sweep"])
+    phases = be.phase_markdown(res)
+    assert phases.count("\n") == len(res["sweep"]) + 1 and "| mix, 2, compact |" in phases
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
@@ -71,8 +79,17 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
             assert len(running) == bs and all(r.is_decoding for r in running)
             assert sum(r.spec.verified for r in running) - before == k
     run.close()
+    # host time per phase of each batch size's steps (prefill excluded): what the table measured
+    assert set(run.phases) == {3, 1} and all({"draft", "forward", "verify"} <= set(p) for p in run.phases.values())
     assert not eng.has_unfinished() and spec.window_fn is None
     assert all(u["used"] == 0 for u in eng.kv_usage().values())
+    # real prompts (cycled, cut to their last context_len tokens) instead of random tokens
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    run = be.whole_step_runner(llm, context_len=20, prompts=prompts)
+    run(3, 2)
+    assert sorted(r.prompt_ids for r in running) == sorted([prompts[0][-20:], prompts[1], prompts[0][-20:]])
+    run.close()
+    assert not eng.has_unfinished()
 
 
 def test_profile_k_grid_is_dense_and_ends_at_full_blocks():

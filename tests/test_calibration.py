@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nanodspark.calibration import (
-    OnlineCalibrationMetrics, apply_temperatures, auroc, brier, calibration_report, ece, fit_sts, offset_interval,
+    OnlineCalibrationMetrics, apply_temperatures, auroc, brier, calibration_report, ece, fit_sts, fit_sts_shifted,
+    offset_interval,
     position_metrics, reliability, save_reliability_png, sts_grid, survival,
 )
 
@@ -104,6 +105,29 @@ def test_sts_recovers_known_temperatures_and_lowers_ece():
     # temperature scaling preserves order at position 1, so AUROC there is unchanged
     assert report.after[0].auroc == pytest.approx(report.before[0].auroc)
     assert "mean ECE" in report.format()
+
+
+def test_sts_with_shifts_removes_an_offset_that_temperatures_cannot():
+    """Conditional confidences near 1/2 over-predicted by a constant logit offset: plain STS
+    leaves a mean over-prediction (a temperature cannot lower a mean near 1/2), the shifted fit
+    recovers T and s and removes it."""
+    g = torch.Generator().manual_seed(7)
+    n, true_t, true_s = 40000, torch.tensor([1.0, 1.3, 0.8]), torch.tensor([-0.1, -0.4, -0.3])
+    z = torch.randn(n, 3, generator=g, dtype=torch.float64) * 0.8 + 0.3
+    accept = torch.rand(n, 3, generator=g, dtype=torch.float64) < torch.sigmoid(z / true_t + true_s)
+    y = torch.cumprod(accept.double(), dim=1)
+    temps, shifts = fit_sts_shifted(z, y)
+    assert temps.tolist() == pytest.approx(true_t.tolist(), rel=0.25)
+    assert shifts.tolist() == pytest.approx(true_s.tolist(), abs=0.08)
+    plain = calibration_report(z, y, None, fit_sts(z, y))
+    shifted = calibration_report(z, y, None, temps, shifts=shifts)
+    assert shifted.shifts == pytest.approx(shifts.tolist()) and "shift" in shifted.format()
+    for k in (1, 2):
+        assert plain.after[k].mean_pred - plain.after[k].mean_observed > 0.01       # offset left by STS
+        assert abs(shifted.after[k].mean_pred - shifted.after[k].mean_observed) < 0.005
+        assert shifted.after[k].ece < plain.after[k].ece
+    # ranking survives (a constant predictor would have ECE ~0 too, but AUROC 0.5)
+    assert all(shifted.after[k].auroc > 0.6 for k in range(3))
 
 
 def test_sts_identity_when_already_calibrated():

@@ -297,20 +297,36 @@ def test_cost_table_fit_recovers_bias_alpha_theta():
 
 def test_cost_table_fit_with_noise_predicts_within_tolerance_and_is_monotone():
     table = synthetic_table(noise=0.01)
-    table.fit_additive()
+    model = table.fit_additive()
     for (bs, k) in table.measurements:
-        assert table.predict(bs, k) == pytest.approx(BIAS + alpha_true(bs) + theta_true(bs + k), rel=0.05)
-    for bs in (1, 3, 8, 12):
-        curve = table.curve(bs, 40)
-        assert np.all(np.diff(curve) >= 0)                 # non-decreasing in K, extrapolates upward
+        assert model(bs, k) == pytest.approx(BIAS + alpha_true(bs) + theta_true(bs + k), rel=0.05)
     for k in (0, 5, 20):
-        assert all(table.predict(b, k) <= table.predict(b + 1, k) for b in range(1, 12))
+        assert all(model(b, k) <= model(b + 1, k) for b in range(1, 12))
+    for bs in (1, 3, 8, 12):
+        curve = model.curve(bs, np.arange(41))
+        assert np.all(np.diff(curve) >= 0)                 # non-decreasing in K, extrapolates upward
     assert not table.is_flat()
+
+
+def test_staircase_keeps_cliffs_and_is_what_the_scheduler_reads():
+    """Ceiling lookup at a measured bs (a cliff is charged from the last point below it on),
+    interpolation between batch sizes at the same drafts per request, non-decreasing in K."""
+    table = force_monotone({(4, 0): 10.0, (4, 4): 10.0, (4, 8): 14.0, (4, 12): 14.5, (4, 20): 15.0,
+                            (8, 0): 20.0, (8, 8): 20.0, (8, 16): 30.0, (8, 24): 31.0, (8, 40): 32.0})
+    t = CostTable(table)
+    assert [t.predict(4, k) for k in (0, 3, 4, 5, 8, 9, 20, 30)] == [10.0, 10.0, 10.0, 14.0, 14.0, 14.5, 15.0, 15.0]
+    assert t.predict(6, 0) == pytest.approx(15.0) and t.predict(6, 12) == pytest.approx(0.5 * 14.0 + 0.5 * 30.0)
+    assert t.predict(16, 16) == t.predict(8, 8) == 20.0         # beyond the grid: nearest bs, same drafts/request
+    assert t.curve(4, 20).tolist() == [t.predict(4, k) for k in range(21)]
+    for bs in (4, 5, 6, 8):
+        assert np.all(np.diff(t.curve(bs, 5 * bs)) >= 0)
+    # the additive fit smooths the cliff at K = 8 (bs 8) away; the staircase keeps it
+    assert t.model()(8, 8) > 20.5 and t.predict(8, 8) == 20.0
 
 
 def test_force_monotone():
     m = force_monotone({(1, 0): 1.0, (1, 4): 0.9, (2, 0): 0.8, (2, 4): 2.0})
-    assert m == {(1, 0): 1.0, (1, 4): 1.0, (2, 0): 1.0, (2, 4): 2.0}
+    assert m == {(1, 0): 1.0, (1, 4): 1.0, (2, 0): 0.8, (2, 4): 2.0}     # along K only
 
 
 def test_cost_table_json_roundtrip_and_keyed_file(tmp_path):
@@ -329,17 +345,32 @@ def test_cost_table_json_roundtrip_and_keyed_file(tmp_path):
 
 
 def test_profile_step_cost_with_a_fake_clock(capsys):
-    clock = {"t": 0.0, "calls": 0}
+    clock, calls = {"t": 0.0}, []
     jitter = [0.0, 5e-4, -1e-4, 0.0, 9e-3]                 # one outlier per 5 repeats: the median ignores it
 
     def run_step(bs, k):
-        clock["t"] += BIAS + alpha_true(bs) + theta_true(bs + k) + jitter[clock["calls"] % 5]
-        clock["calls"] += 1
+        clock["t"] += BIAS + alpha_true(bs) + theta_true(bs + k) + jitter[calls.count((bs, k)) % 5]
+        calls.append((bs, k))
 
     table = profile_step_cost(run_step, [1, 2, 4], lambda bs: range(0, 4 * bs + 1, 2),
-                              repeats=5, warmup=0, timer=lambda: clock["t"], model_name="fake")
-    assert clock["calls"] == 5 * len(table.measurements)
-    assert "measured ms" in capsys.readouterr().out
+                              repeats=5, warmup=0, timer=lambda: clock["t"], model_name="fake", settle=0,
+                              shuffle=False)
+    assert len(calls) == 5 * len(table.measurements)
+    # rounds over each batch size's K grid (not five calls in a row per point)
+    assert calls[:15] == [(1, k) for k in (0, 2, 4)] * 5 and calls[15:20] == [(2, k) for k in range(0, 9, 2)]
+    # with a warm-up round and one settling step of the same shape before each timed step
+    calls.clear()
+    profile_step_cost(run_step, [1], [0, 2], repeats=2, warmup=1, timer=lambda: clock["t"], verbose=False, settle=1,
+                      shuffle=False)
+    assert calls == [(1, 0), (1, 2)] + [(1, 0), (1, 0), (1, 2), (1, 2)] * 2
+    # shuffled rounds: each round visits every K once, not always in the same order
+    calls.clear()
+    profile_step_cost(run_step, [4], list(range(8)), repeats=4, warmup=0, timer=lambda: clock["t"], verbose=False,
+                      settle=0)
+    rounds = [[k for _, k in calls[i:i + 8]] for i in range(0, 32, 8)]
+    assert all(sorted(r) == list(range(8)) for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    assert "monotone ms" in capsys.readouterr().out
+    assert table.raw.keys() == table.measurements.keys()
     assert table.measurements[(2, 4)] == pytest.approx(BIAS + alpha_true(2) + theta_true(6), abs=1e-9)
     assert table.additive is not None and table.model_name == "fake"
 

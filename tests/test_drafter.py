@@ -121,14 +121,20 @@ def test_sts_temperature_scales_the_confidence(target):
     torch.testing.assert_close(cal.conf_logits, raw.conf_logits)                  # STS changes no logit
     torch.testing.assert_close(cal.confidence, torch.sigmoid(raw.conf_logits / temps))
     assert not torch.allclose(cal.confidence[0, 1:], raw.confidence[0, 1:])
+    shifts = torch.tensor([0.0, -0.5, 0.25, 1.0])
+    d.sts_shift.copy_(shifts)
+    torch.testing.assert_close(propose().confidence, torch.sigmoid(raw.conf_logits / temps + shifts))
 
 
 def test_save_load_roundtrip_and_errors(target, tmp_path):
     d = make(target)
     d.sts_temperature.copy_(torch.tensor([1.5, 2.0, 0.7, 1.0]))
+    d.sts_shift.copy_(torch.tensor([0.1, -0.3, 0.0, 0.2]))
+    d.save(tmp_path / "dr", dtype=torch.bfloat16)
+    d2 = Drafter.load(tmp_path / "dr", target)
+    assert torch.equal(d2.sts_temperature, d.sts_temperature) and torch.equal(d2.sts_shift, d.sts_shift)  # fp32 kept
     d.save(tmp_path / "dr")
     d2 = Drafter.load(tmp_path / "dr", target)
-    assert torch.equal(d2.sts_temperature, d.sts_temperature)
     for (k, a), (_, b) in zip(d.state_dict().items(), d2.state_dict().items()):
         assert torch.equal(a, b), k
     assert "embed" not in str(list(d.state_dict())) and "lm_head" not in str(list(d.state_dict()))
@@ -137,6 +143,12 @@ def test_save_load_roundtrip_and_errors(target, tmp_path):
         Drafter.load(tmp_path / "dr", load_model(other))
     with pytest.raises(FileNotFoundError):
         Drafter.load(tmp_path / "missing", target)
+    # a checkpoint calibrated with plain STS (no sts_shift) loads with zero shifts
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(tmp_path / "dr" / "model.safetensors"))
+    del state["sts_shift"]
+    save_file(state, str(tmp_path / "dr" / "model.safetensors"))
+    assert not Drafter.load(tmp_path / "dr", target).sts_shift.any()
 
 
 def test_dflash_baseline_has_no_markov_or_confidence(target):

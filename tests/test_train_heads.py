@@ -43,13 +43,26 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
     rep = train_heads.main(["--target", str(tiny_dir), "--out", str(out), "--phases", "calibrate",
                             "--calib-n", "2", "--calib-tokens", "8"])
     cal = rep["calibration"]
-    assert len(cal["temperatures"]) == 3 and len(cal["swapped_halves"]["temperatures"]) == 3
-    assert len(cal["offset_after_90pct_prompt_bootstrap"]) == 3 and cal["held_out_prompts"] == 4
-    for gap, lo, hi in cal["offset_after_90pct_prompt_bootstrap"]:
+    fit = cal[cal["shipped"]]
+    assert len(cal["temperatures"]) == 3 and len(fit["swapped_halves"]["temperatures"]) == 3
+    assert len(fit["offset_after_90pct_prompt_bootstrap"]) == 3 and cal["held_out_prompts"] == 4
+    for gap, lo, hi in fit["offset_after_90pct_prompt_bootstrap"] + cal["plain"]["offset_after_90pct_prompt_bootstrap"]:
         assert gap != gap or lo <= gap <= hi          # nan where a position was never verified
-    shipped = Drafter.load(out / "dspark", load_model(tiny_dir)).sts_temperature
-    assert torch.allclose(shipped.float(), torch.tensor(cal["temperatures"]), rtol=1e-2)
+    assert cal["shipped"] == "shifted" and cal["shifts"] == cal["shifted"]["shifts"] and cal["plain"]["shifts"] is None
+    shipped = Drafter.load(out / "dspark", load_model(tiny_dir))
+    assert torch.allclose(shipped.sts_temperature, torch.tensor(cal["temperatures"]), rtol=1e-3)
+    assert torch.allclose(shipped.sts_shift, torch.tensor(cal["shifts"]), atol=1e-3)
     assert (out / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    # refit from the saved records, shipping plain STS: same records, so the same plain fit
+    import shutil
+    shutil.copytree(out / "dspark", tmp_path / "refit" / "dspark")
+    plain = train_heads.main(["--target", str(tiny_dir), "--out", str(tmp_path / "refit"), "--phases", "calibrate",
+                              "--calib-records", str(out / "calibration_records.safetensors"), "--sts", "plain"])
+    refit = plain["calibration"]
+    assert refit["held_out_proposals"] == cal["held_out_proposals"]
+    assert (refit["plain"]["temperatures"], refit["plain"]["mean_ece_after"]) == (
+        cal["plain"]["temperatures"], cal["plain"]["mean_ece_after"])
+    assert refit["temperatures"] == cal["plain"]["temperatures"] and refit["shifts"] is None
 
 
 def test_repeated_ngram_fraction():

@@ -78,10 +78,12 @@ def exact_continuation_dist(model, prompt, n, vocab):
 
 
 def steep_cost_table(model_dir, path):
-    """A synthetic step-cost profile in which verify tokens are expensive, so the cost scheduler
-    really trims windows (a flat table would fall back to static)."""
+    """A synthetic step-cost profile with a cliff: verifying more than 2.5 drafts per request
+    costs 50 % more, so the cost scheduler really trims about half the windows (a flat table
+    would fall back to static)."""
     from nanodspark.cost_scheduler import CostTable
-    meas = {(bs, k): 1e-3 * (1 + bs) + 4e-3 * k for bs in (1, 8, 64, 512) for k in (0, bs, 2 * bs, 3 * bs)}
+    meas = {(bs, k): 1e-3 * (1 + bs) * (1.0 + 0.5 * (k > 2.5 * bs)) + 1e-6 * k for bs in (1, 8, 64, 512)
+            for k in sorted({round(3 * bs * i / 12) for i in range(13)})}
     CostTable(measurements=meas, model_name=str(model_dir), dtype=str(torch.float32), device="cpu").save(path)
     return str(path)
 
@@ -103,7 +105,7 @@ def test_sampling_spec_follows_target_distribution(tmp_path, mode):
               cost_table=table)
     chosen = []
     orig = llm.engine.spec.windows
-    llm.engine.spec.windows = lambda reqs, draft: (lambda w: (chosen.extend(w[0]), w)[1])(orig(reqs, draft))
+    llm.engine.spec.windows = lambda reqs, draft, conf: (lambda w: (chosen.extend(w[0]), w)[1])(orig(reqs, draft, conf))
     outs = llm.generate([prompt] * N, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True))
     if mode != "static":
         assert llm.engine.spec.scheduler.effective_mode() == mode
