@@ -155,6 +155,7 @@ class CostTable:
     additive: AdditiveCost | None = None
     raw: dict[tuple[int, int], float] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)      # how it was measured (context, phases, ...)
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)   # every timed step
     _row_cache: tuple = field(default=(), init=False, repr=False, compare=False)
 
     # ---- fitting and prediction ----
@@ -261,7 +262,8 @@ class CostTable:
         d = {"model_name": self.model_name, "dtype": self.dtype, "device": self.device,
              "graph_tiers": list(self.graph_tiers),
              "measurements": [[b, k, s] for (b, k), s in sorted(self.measurements.items())],
-             "raw": [[b, k, s] for (b, k), s in sorted(self.raw.items())], "notes": self.notes}
+             "raw": [[b, k, s] for (b, k), s in sorted(self.raw.items())], "notes": self.notes,
+             "samples": [[b, k, v] for (b, k), v in sorted(self.samples.items())]}
         if self.additive is not None:
             a = self.additive
             d["additive"] = {"bias": a.bias, "bs_knots": list(a.bs_knots), "alpha": list(a.alpha),
@@ -276,6 +278,7 @@ class CostTable:
             model_name=d.get("model_name", ""), dtype=d.get("dtype", ""), device=d.get("device", ""),
             graph_tiers=tuple(int(t) for t in d.get("graph_tiers", ())),
             raw={(int(b), int(k)): float(s) for b, k, s in d.get("raw", [])}, notes=d.get("notes", {}),
+            samples={(int(b), int(k)): [float(x) for x in v] for b, k, v in d.get("samples", [])},
             additive=None if add is None else AdditiveCost(
                 float(add["bias"]), tuple(add["bs_knots"]), tuple(add["alpha"]),
                 tuple(add["m_knots"]), tuple(add["theta"])))
@@ -339,7 +342,7 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                 bar.update()
     bar.close()
     raw = {key: statistics.median(v) for key, v in times.items()}
-    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers), raw=raw)
+    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
     table.fit_additive()
     if verbose:
         print(table.format_fit())

@@ -45,8 +45,8 @@ class PhaseClock:
     The engine is host-bound on small models, so where the host spends a step is the first thing
     to read when one verify mode is slower than the cost model says. A lap that ends in a
     device->host copy also holds the wait for the GPU work queued before it: the drafter's in
-    `plan` (compact: the windows' copy) or `copy` (static: the draft tokens' copy), the target's
-    in `argmax`. Compare sums of phases across modes, not one phase.
+    `copy` (draft tokens and confidences), the target's in `argmax`. Compare sums of phases
+    across modes, not one phase.
     """
 
     def __init__(self):

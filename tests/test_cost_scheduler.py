@@ -370,7 +370,9 @@ def test_profile_step_cost_with_a_fake_clock(capsys):
     rounds = [[k for _, k in calls[i:i + 8]] for i in range(0, 32, 8)]
     assert all(sorted(r) == list(range(8)) for r in rounds) and len({tuple(r) for r in rounds}) > 1
     assert "monotone ms" in capsys.readouterr().out
-    assert table.raw.keys() == table.measurements.keys()
+    assert table.raw.keys() == table.measurements.keys() and all(len(v) == 5 for v in table.samples.values())
+    back = CostTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert back.samples == table.samples and back.raw == table.raw   # every timed step is kept
     assert table.measurements[(2, 4)] == pytest.approx(BIAS + alpha_true(2) + theta_true(6), abs=1e-9)
     assert table.additive is not None and table.model_name == "fake"
 
