@@ -29,7 +29,8 @@ Invariants
     * Windows are contiguous prefixes: window_r = number of admitted cells of row r.
     * Sort order of cells: survival descending, then position ascending, then request ascending.
     * A cell with survival 0 is never admitted.
-    * `allocate_windows_topk` never reads a device value back to the host.
+    * `allocate_windows_topk` never reads a device value back to the host (it runs where its
+      input is; the engine's synchronous step passes a host copy).
     * A cost table is non-decreasing in K at every batch size; without one (or with a flat
       one) nothing is trimmed: the full budget R * gamma is verified.
     * The relay gives survival 1.0 (conservative: verify everything) to a slot whose lagged
@@ -186,8 +187,8 @@ class CostTable:
         return self.additive if self.additive is not None else self.fit_additive()
 
     def _rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """{bs: (K values, seconds)}, sorted; rebuilt only when the measurements change
-        (the scheduler reads the table every step)."""
+        """{bs: (K values, seconds)}, sorted; cached (the scheduler reads the table every step)
+        and rebuilt when `measurements` is replaced or changes size, not on an in-place edit."""
         key = (id(self.measurements), len(self.measurements))
         if not self._row_cache or self._row_cache[0] != key:
             rows: dict[int, list] = {}
