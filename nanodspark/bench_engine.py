@@ -267,7 +267,8 @@ def profile(args) -> dict:
                    "prompts": getattr(args, "prompts", "random"),
                    "phases_ms_by_bs": getattr(runner, "phases", {})}
     for b, ph in table.notes["phases_ms_by_bs"].items():
-        print(f"bs {b}: host ms per step by phase (all K) " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+        print(f"bs {b}: host ms per step by phase (all K; warm-up round and kernel compiles included) "
+              + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     table.save(args.out)
     print(f"saved {args.out}; flat={table.is_flat()}")
     return table.to_json()
