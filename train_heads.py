@@ -368,7 +368,8 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     (z_fit, y_fit, v_fit, _), (z_ev, y_ev, v_ev, g_ev) = rec["fit"], rec["held"]
     # Both fits on the fit half, both scored on the held-out half: the paper's STS (one
     # temperature per position) and STS with a logit shift per position (shipped by default).
-    fits = {"plain": (fit_sts(z_fit, y_fit, v_fit), None), "shifted": fit_sts_shifted(z_fit, y_fit, v_fit)}
+    fitters = {"plain": lambda z, y, v: (fit_sts(z, y, v), None), "shifted": fit_sts_shifted}
+    fits = {name: fit(z_fit, y_fit, v_fit) for name, fit in fitters.items()}
     reports = {name: calibration_report(z_ev, y_ev, v_ev, t, shifts=s) for name, (t, s) in fits.items()}
     result = {"held_out_proposals": int(len(z_ev)), "fit_proposals": int(len(z_fit)),
               "held_out_prompts": int(g_ev.unique().numel()), "calib_n": args.calib_n,
@@ -380,7 +381,7 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
         # How much of what is left is the split, and how much a real offset? (1) the other
         # direction: fit on the held-out half, score on the fit half; (2) mean prediction minus
         # observed rate, with an interval that resamples prompts, not proposals.
-        t2, s2 = (fit_sts(z_ev, y_ev, v_ev), None) if name == "plain" else fit_sts_shifted(z_ev, y_ev, v_ev)
+        t2, s2 = fitters[name](z_ev, y_ev, v_ev)
         swapped = calibration_report(z_fit, y_fit, v_fit, t2, shifts=s2)
         offsets = offset_interval(survival(apply_temperatures(z_ev, temps, shifts)), y_ev, v_ev, g_ev)
         for k, ((gap, lo, hi), m) in enumerate(zip(offsets, swapped.after)):

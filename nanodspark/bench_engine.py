@@ -278,7 +278,7 @@ def profile(args) -> dict:
 def run_traffic(llm, prompts, workloads, params) -> dict:
     spec = llm.engine.spec
     if spec is not None:
-        spec.step_times = []             # this run's (predicted, measured) step seconds only
+        spec.step_times.clear()          # this run's (predicted, measured) step seconds only
     llm.engine.clock.reset()
     t = time.perf_counter()
     reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
@@ -512,7 +512,7 @@ PHASES = ("schedule", "draft", "plan", "copy", "forward", "argmax", "verify", "i
 
 
 def phase_markdown(result: dict) -> str:
-    """Host ms per engine step by phase (`Engine.clock`), one row per (point, mode): where a
+    """Host ms per engine step by phase (`LLMEngine.clock`), one row per (point, mode): where a
     mode's step time goes. Empty for JSON written before `phase_ms` was recorded."""
     rows = [r for r in result["sweep"] if r.get("phase_ms")]
     if not rows:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .calibration import apply_temperatures
 from .config import ModelConfig
 from .model import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
@@ -203,7 +204,7 @@ class Drafter(nn.Module):
             probs.append(p)
             prev = t
         z = torch.stack(zs, 1)
-        conf = torch.sigmoid(z / self.sts_temperature[None, :] + self.sts_shift[None, :])
+        conf = apply_temperatures(z, self.sts_temperature, self.sts_shift)
         return Draft(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), z, conf)
 
     # -- checkpoints -------------------------------------------------------------------------

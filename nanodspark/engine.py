@@ -36,7 +36,6 @@ from .model import KVCache
 from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
 from .runner import Chunk, ModelRunner
 from .sampling import SamplingParams, make_generator, sample_tokens, target_probs
-from .speculative import PhaseClock
 from .swa_replay import plan_replay
 
 
@@ -237,6 +236,36 @@ def _fresh(bm: BlockManager, n: int) -> BlockTable:
 
 
 # ----------------------------------------------------------------------------- the engine
+class PhaseClock:
+    """Host milliseconds per phase of an engine step, summed over steps (`LLMEngine.clock`).
+
+    The engine is host-bound on small models, so where the host spends a step is the first thing
+    to read when one verify mode is slower than the cost model says. A lap that ends in a
+    device->host copy also holds the wait for the GPU work queued before it: the drafter's in
+    `copy` (draft tokens and confidences), the target's in `argmax`. Compare sums of phases
+    across modes, not one phase.
+    """
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.total[name] = self.total.get(name, 0.0) + t - self._t
+        self._t = t
+
+    def reset(self) -> None:
+        self.total, self.steps = {}, 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.total.items()}
+
+
 class LLMEngine:
     def __init__(self, model_path: str | None = None, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()

@@ -15,11 +15,12 @@ committed positions; a window never lets a request run past `max_tokens` or `max
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from .calibration import OnlineCalibrationMetrics
+from .calibration import OnlineCalibrationMetrics, survival
 from .cost_scheduler import CostScheduler
 from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
@@ -39,36 +40,6 @@ class SpecStepStats:
     accepted_each: list[int] = field(default_factory=list)
 
 
-class PhaseClock:
-    """Host milliseconds per phase of an engine step, summed over steps (`Engine.clock`).
-
-    The engine is host-bound on small models, so where the host spends a step is the first thing
-    to read when one verify mode is slower than the cost model says. A lap that ends in a
-    device->host copy also holds the wait for the GPU work queued before it: the drafter's in
-    `copy` (draft tokens and confidences), the target's in `argmax`. Compare sums of phases
-    across modes, not one phase.
-    """
-
-    def __init__(self):
-        self.total: dict[str, float] = {}
-        self.steps = 0
-        self._t = 0.0
-
-    def start(self) -> None:
-        self._t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        t = time.perf_counter()
-        self.total[name] = self.total.get(name, 0.0) + t - self._t
-        self._t = t
-
-    def reset(self) -> None:
-        self.total, self.steps = {}, 0
-
-    def per_step_ms(self) -> dict[str, float]:
-        return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.total.items()}
-
-
 class SpecDecoder:
     def __init__(self, drafter: Drafter, manager: BlockManager, cache: torch.Tensor, mode: str,
                  cost_scheduler: CostScheduler | None = None, max_slots: int = 1024):
@@ -86,7 +57,7 @@ class SpecDecoder:
         self.online = OnlineCalibrationMetrics(self.gamma)   # running ECE of the survivals (metrics)
         self.ceiling = BlockAcceptEstimator(self.gamma)      # what full-block verify would have accepted
         self.pending: dict[str, tuple] = {}  # request id -> (first position, trimmed drafts, window, accepted)
-        self.step_times: list[tuple[float, float]] = []      # (predicted, measured) seconds, recent steps
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=256)  # (predicted, measured) s, recent steps
 
     # -- slots for the confidence relay ------------------------------------------------------
     def slot_of(self, req) -> tuple[int, int]:
@@ -173,6 +144,7 @@ class SpecDecoder:
         stats = SpecStepStats(requests=len(dec))
         # One device->host copy for every greedy row of the step instead of one per request.
         argmax = res.logits.argmax(-1).tolist() if any(r.params.greedy for r in dec) else None
+        conf_logits = draft.conf_logits.float().cpu() if self.recorder is not None and dec else None
         lap("argmax")
         for i, r in enumerate(dec):
             j = len(pre) + i
@@ -187,7 +159,7 @@ class SpecDecoder:
             self._count(r, vr, wins[i], n_ver, stats)
             self._track_ceiling(r, drafts[i], vr, wins[i], n_ver)
             if self.recorder is not None:
-                self.recorder.append((draft.conf_logits[i].float().cpu(), vr.accepted, n_ver, r.request_id))
+                self.recorder.append((conf_logits[i], vr.accepted, n_ver, r.request_id))
             r.num_computed += 1 + vr.accepted
             committed_rows.append(1 + vr.accepted)
             commits.append((r, vr.tokens))
@@ -196,7 +168,7 @@ class SpecDecoder:
         lap("inject")
         if dec:
             self._observe(conf_host, stats)
-            self.step_times = (self.step_times + [(predicted, time.perf_counter() - t0)])[-256:]
+            self.step_times.append((predicted, time.perf_counter() - t0))
         lap("observe")
         return commits
 
@@ -206,7 +178,7 @@ class SpecDecoder:
         acc = torch.tensor(stats.accepted_each)
         labels = (k[None, :] < acc[:, None]).float()
         valid = k[None, :] < torch.tensor(stats.windows)[:, None]
-        self.online.update(torch.cumprod(conf_host, dim=1), labels, valid)
+        self.online.update(survival(conf_host), labels, valid)
 
     def _count(self, r, vr, window, n_ver, stats: SpecStepStats) -> None:
         verified = window if self.mode != "static" else n_ver
