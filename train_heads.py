@@ -24,7 +24,11 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    `--sts` (default: shifted).
 4. `eval` — acceptance length tau (committed tokens per verify step, bonus included) per workload
    at T=0 and T=1, for DSpark and the DFlash ablation; per-position conditional acceptance;
-   the reliability diagram (PNG). Everything goes into `report.json`.
+   the reliability diagram (PNG).
+5. `proxy` (not in the default phases) — teacher-forced acceptance on held-out *natural* text of
+   each workload (the corpus's `val_*` files): what the drafter and the target can predict on
+   that kind of text, apart from what the target's own generations look like (`text_proxy`).
+Everything goes into `report.json`.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -111,10 +116,27 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
-                 device, gen: torch.Generator):
-    """Loss of one batch of sequences (each = prompt + target response), all sequences at once:
-    one target forward over the padded batch, one drafter pass over every anchor's block."""
+@dataclass
+class BlockPass:
+    """One teacher-forced drafter pass over anchors of a padded batch (all tensors [B, A, gamma, ...]).
+
+    logits: drafter logits (Markov bias added); p_target: the target's next-token distribution
+    at each slot's position; labels: the true next tokens; prev: the true token at each slot
+    (what the teacher-forced Markov head saw); valid: the slot's label lies inside its sequence;
+    h: the drafter's hidden states (for the confidence head).
+    """
+    logits: torch.Tensor
+    p_target: torch.Tensor
+    labels: torch.Tensor
+    prev: torch.Tensor
+    valid: torch.Tensor
+    h: torch.Tensor
+
+
+def block_pass(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, device,
+               gen: torch.Generator) -> BlockPass:
+    """One target forward over the padded batch (each sequence = prompt + response), then one
+    drafter pass over `n_anchors` random anchors per sequence whose next token is a response token."""
     cfg = drafter.config
     B = len(seqs)
     lens = torch.tensor([len(s["prompt"]) + len(s["response"]) for s in seqs])
@@ -150,19 +172,28 @@ def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_ancho
     logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
     with torch.no_grad():
         p_t = torch.softmax(target.compute_logits(out.hidden[rows.reshape(-1)]), -1).view(logits.shape)
-    w = torch.exp(-k.float() / DECAY) * valid.float()
+    return BlockPass(logits, p_t, labels, prev, valid, h)
+
+
+def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
+                 device, gen: torch.Generator):
+    """Loss of one batch of sequences (each = prompt + target response): paper Eq. 12."""
+    bp = block_pass(drafter, target, seqs, gamma, n_anchors, device, gen)
+    k = torch.arange(gamma, device=device)
+    w = torch.exp(-k.float() / DECAY) * bp.valid.float()
     total_w = w.sum().clamp_min(1e-6)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(w.shape)
-    l1 = (torch.softmax(logits, -1) - p_t).abs().sum(-1)
+    logits = bp.logits
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), bp.labels.reshape(-1), reduction="none").view(w.shape)
+    l1 = (torch.softmax(logits, -1) - bp.p_target).abs().sum(-1)
     loss = alpha["ce"] * ce + alpha["l1"] * l1
     logs = {}
-    if alpha["conf"] and cfg.confidence:
-        z = drafter.confidence_logit(h, prev)
+    if alpha["conf"] and drafter.config.confidence:
+        z = drafter.confidence_logit(bp.h, bp.prev)
         bce = F.binary_cross_entropy_with_logits(z, (1 - 0.5 * l1).clamp(0, 1).detach(), reduction="none")
         loss = loss + alpha["conf"] * bce
         logs["conf"] = float((bce * w).sum().detach() / total_w)
     logs.update(ce=float((ce * w).sum().detach() / total_w), l1=float((l1 * w).sum().detach() / total_w),
-                acc=float(((logits.argmax(-1) == labels).float() * w).sum() / total_w))
+                acc=float(((logits.argmax(-1) == bp.labels).float() * w).sum() / total_w))
     return (loss * w).sum() / total_w, logs
 
 
@@ -336,6 +367,86 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
     return res
 
 
+# Held-out natural text per workload: the corpus's validation files (GSM8K test solutions,
+# chit-chat conversations, held-out songs-poems, HumanEval solutions; Shakespeare as a fifth).
+PROXY_DOMAINS = {"math": "val_math", "chat": "val_chat", "poetry": "val_poetry", "code": "val_code",
+                 "shakespeare": "val_shakespeare"}
+PROXY_PREFIX_TOKENS = 16      # documents without an assistant turn: anchors start after this prefix
+
+
+def proxy_tau(accept: torch.Tensor) -> float:
+    """Mean over anchors of 1 + sum_k prod_{j<=k} accept[:, j]: the tokens one verify step would
+    commit if slot k were accepted with probability accept[:, k] given the previous slots were."""
+    return float((1 + accept.float().cumprod(-1).sum(-1)).mean()) if len(accept) else float("nan")
+
+
+def text_documents(corpus: Path, name: str, tok: Tokenizer, n: int, max_tokens: int, seed: int) -> list[dict]:
+    """n documents of a validation file as {prompt, response} token lists: the prompt ends at the
+    first assistant header (chat, math) or after PROXY_PREFIX_TOKENS tokens (code, poems, plays)."""
+    with lzma.open(corpus / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
+        docs = [d for d in f.read().split(EOT) if len(d.strip()) > 80]
+    out = []
+    for d in random.Random(seed).sample(docs, min(n, len(docs))):
+        if ASSISTANT in d:
+            cut = d.index(ASSISTANT) + len(ASSISTANT)
+            prompt, response = tok.encode(d[:cut]), tok.encode(d[cut:])
+        else:
+            ids = tok.encode(d)
+            prompt, response = ids[:PROXY_PREFIX_TOKENS], ids[PROXY_PREFIX_TOKENS:]
+        response = response[:max(0, max_tokens - len(prompt))]
+        if len(response) > 8:
+            out.append({"prompt": prompt, "response": response})
+    return out
+
+
+@torch.no_grad()
+def text_proxy(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
+    """Teacher-forced acceptance on held-out natural text, per workload (no generation).
+
+    For random anchors of each document, the drafter proposes a block from the true prefix (the
+    Markov head sees the true previous tokens) and is compared with the target's next-token
+    distribution at the same true prefix: alpha_k = sum_v min(p_draft, p_target) = 1 - L1/2 is
+    the acceptance probability of slot k at T = 1, greedy_k = [argmax p_draft == argmax
+    p_target] at T = 0. tau = proxy_tau(per-anchor values). This isolates what the drafter
+    and the target can predict on each kind of text from what the target's own generations
+    look like (a small target repeats itself: chapter 09 §4)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_model(args.target, dtype=torch.float32, device=device)
+    corpus = Path(args.corpus)
+    docs = {wl: text_documents(corpus, f, tok, args.proxy_n, args.proxy_tokens, args.seed)
+            for wl, f in PROXY_DOMAINS.items() if (corpus / f"{f}.txt.xz").exists()}
+    if not docs:
+        raise FileNotFoundError(f"no validation text (val_*.txt.xz) in {corpus}: build the corpus first "
+                                "(python -m nanodspark.recipes.default_model corpus)")
+    res: dict = {"documents": {wl: len(d) for wl, d in docs.items()}, "max_tokens": args.proxy_tokens}
+    for name, ddir in drafter_dirs.items():
+        drafter = Drafter.load(ddir, target, device=device).eval()
+        g = drafter.config.gamma
+        for wl, seqs in docs.items():
+            gen = torch.Generator().manual_seed(args.seed)
+            alpha, greedy, top1, nll = [], [], [], []
+            for i in range(0, len(seqs), 16):
+                bp = block_pass(drafter, target, seqs[i:i + 16], g, args.anchors, device, gen)
+                full = bp.valid.all(-1)                       # anchors whose whole block is inside the text
+                p_d = torch.softmax(bp.logits[full], -1)
+                p_t = bp.p_target[full]
+                alpha.append((1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1).cpu())
+                greedy.append((p_d.argmax(-1) == p_t.argmax(-1)).cpu())
+                top1.append(p_t.max(-1).values.cpu())
+                nll.append(-p_t.gather(-1, bp.labels[full][..., None]).squeeze(-1).clamp_min(1e-12).log().cpu())
+            a, gr = torch.cat(alpha), torch.cat(greedy)
+            res.setdefault(name, {})[wl] = {
+                "anchors": len(a), "tau_T0": round(proxy_tau(gr), 4), "tau_T1": round(proxy_tau(a), 4),
+                "greedy_by_position": [round(float(x), 4) for x in gr.float().mean(0)],
+                "alpha_by_position": [round(float(x), 4) for x in a.mean(0)],
+                "target_top1_prob": round(float(torch.cat(top1).mean()), 4),
+                "target_nll": round(float(torch.cat(nll).mean()), 4)}
+            r = res[name][wl]
+            print(f"proxy {name} {wl}: tau T=0 {r['tau_T0']} T=1 {r['tau_T1']} "
+                  f"(target top-1 prob {r['target_top1_prob']}, nll {r['target_nll']})", flush=True)
+    return res
+
+
 RECORD_KEYS = ("z", "labels", "valid", "groups")
 
 
@@ -451,6 +562,8 @@ def main(argv=None):
                     help="ship STS with a logit shift per position (default) or the paper's plain STS")
     ap.add_argument("--eval-n", type=int, default=40, help="prompts per workload for tau (at most all of it)")
     ap.add_argument("--eval-tokens", type=int, default=96)
+    ap.add_argument("--proxy-n", type=int, default=100, help="documents per workload for the text proxy")
+    ap.add_argument("--proxy-tokens", type=int, default=384, help="tokens per document for the text proxy")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.target = str(resolve_model_dir(args.target))
@@ -493,8 +606,12 @@ def main(argv=None):
     if "calibrate" in phases:
         report["calibration"] = calibrate(args, dirs["dspark"], tok, out)
         save_report(out, report)
+    trained = {k: v for k, v in dirs.items() if (v / "config.json").exists()}
     if "eval" in phases:
-        report["tau"] = evaluate(args, {k: v for k, v in dirs.items() if (v / "config.json").exists()}, tok)
+        report["tau"] = evaluate(args, trained, tok)
+        save_report(out, report)
+    if "proxy" in phases:
+        report["text_proxy"] = text_proxy(args, trained, tok)
     report["seconds"] = round(time.time() - t0, 1)
     merged = save_report(out, report)
     print_summary(merged)
@@ -519,6 +636,11 @@ def print_summary(r: dict) -> None:
                 b = r["tau"].get("dflash", {}).get(wl, {}).get(t, {}).get("tau")
                 ratio = f"{a / b:.2f}" if a and b else "-"
                 print(f"{wl:8} {t:>3} {a or '-':>10} {b or '-':>10} {ratio:>6}")
+    if "text_proxy" in r:
+        print(f"\n{'text proxy':11} {'drafter':7} {'tau T=0':>7} {'tau T=1':>7} {'target top-1':>12}")
+        for name, per in r["text_proxy"].items():
+            for wl, m in (per.items() if name in ("dspark", "dflash") else ()):
+                print(f"{wl:11} {name:7} {m['tau_T0']:>7} {m['tau_T1']:>7} {m['target_top1_prob']:>12}")
     if "calibration" in r:
         c = r["calibration"]
         print("STS temperatures", c["temperatures"], "shifts", c.get("shifts"), "mean ECE before",
