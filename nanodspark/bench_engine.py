@@ -166,13 +166,21 @@ def engine_step_runner(llm, context_len: int):
     return run_step
 
 
-def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None):
+DEFAULT_CONTEXT_SLACK = 16   # tokens a profiled request may grow past its prompt before the batch is rebuilt
+
+
+def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
+                      context_slack: int = DEFAULT_CONTEXT_SLACK):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`SpecDecoder.window_fn` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
     (prefilled untimed) when bs changes, from `prompts` (cycled; each cut to its last
-    `context_len` tokens) or, without them, `context_len` random tokens; each timed step commits
-    tokens, so the context grows by a few hundred tokens over one batch size's grid.
+    `context_len` tokens) or, without them, `context_len` random tokens. Every step commits
+    tokens, so `run_step.prepare(bs, k)` (untimed; `profile_step_cost` calls it before each
+    point) rebuilds the batch from the same prompts once a request has grown by more than
+    `context_slack` tokens: the table is measured at a fixed context, as the scheduler reads it.
+    (Without that, the context grew by ~600 tokens over bs 256's grid and the step time with it,
+    round after round: 46 ms in the first round, 110 ms in the last, on the H200.)
 
     Real prompts make the steps look like traffic: drafts are accepted (random tokens reject
     nearly every draft, so every step rolls back nearly every KV slot it wrote) and requests
@@ -181,7 +189,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     from .sampling import SamplingParams
     eng, spec = llm.engine, llm.engine.spec
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    state = {"bs": None, "ids": []}
+    state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - context_len - 1),
@@ -193,23 +201,34 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             return list(prompts[i % len(prompts)][-context_len:])
         return [rng.randrange(vocab) for _ in range(context_len)]
 
-    def reset(bs: int) -> None:
-        if state["bs"] is not None:
-            phases[state["bs"]] = eng.clock.per_step_ms()
+    def rebuild(bs: int) -> None:
+        """Abort the batch and prefill bs fresh requests (untimed, kept out of the phase clock)."""
+        clock = (dict(eng.clock.total), eng.clock.steps)
         for rid in state["ids"]:
             eng.abort(rid)
         eng.config.max_num_seqs = max(eng.config.max_num_seqs, bs)
-        state["ids"] = [eng.add_request(prompt(i), params, queue_limit=False).request_id for i in range(bs)]
+        reqs = [eng.add_request(prompt(i), params, queue_limit=False) for i in range(bs)]
+        state["ids"], state["reqs"] = [r.request_id for r in reqs], reqs
         spec.window_fn = lambda reqs, draft: [spec.gamma] * len(reqs)
         sched = eng.scheduler
-        while any(not r.is_decoding for r in sched.running) or sched.waiting:   # prefill, untimed
+        while any(not r.is_decoding for r in sched.running) or sched.waiting:
             eng.step()
-        eng.clock.reset()
-        state["bs"] = bs
+        eng.clock.total, eng.clock.steps = clock
+
+    def prepare(bs: int, k: int) -> None:
+        if state["bs"] != bs:                # a new batch size: close the previous one's phases
+            if state["bs"] is not None:
+                phases[state["bs"]] = eng.clock.per_step_ms()
+            eng.clock.reset()
+            rebuild(bs)
+            state["bs"] = bs
+        elif max(len(r.output_ids) for r in state["reqs"]) > context_slack:
+            rebuild(bs)
+            state["rebuilds"] = state.get("rebuilds", 0) + 1
 
     def run_step(bs: int, k: int) -> None:
         if state["bs"] != bs:
-            reset(bs)
+            prepare(bs, k)
         spec.window_fn = lambda reqs, draft: [k // len(reqs) + (1 if r < k % len(reqs) else 0)
                                               for r in range(len(reqs))]
         eng.step()
@@ -223,6 +242,8 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         spec.window_fn = None
     run_step.close = close
     run_step.phases = phases
+    run_step.prepare = prepare
+    run_step.state = state
     return run_step
 
 
@@ -258,13 +279,16 @@ def profile(args) -> dict:
     try:
         table = profile_step_cost(runner, args.batch_sizes,
                                   lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
-                                  repeats=args.repeats,
+                                  repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
                                   model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
     table.notes = {"context": args.context, "scope": args.scope, "repeats": args.repeats, "prefix_cache": False,
                    "prompts": getattr(args, "prompts", "random"),
+                   "monotone": getattr(args, "monotone", "isotonic"),
+                   "context_slack": DEFAULT_CONTEXT_SLACK if args.scope == "whole" else 0,
+                   "rebuilds": getattr(runner, "state", {}).get("rebuilds", 0),
                    "phases_ms_by_bs": getattr(runner, "phases", {})}
     for b, ph in table.notes["phases_ms_by_bs"].items():
         print(f"bs {b}: host ms per step by phase (all K; warm-up round and kernel compiles included) "
@@ -401,6 +425,9 @@ def add_profile_args(p) -> None:
     p.add_argument("--prompts", choices=("mix", "random"), default="mix",
                    help="mixed workload prompts (acceptance and lengths like traffic) or random tokens")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--monotone", choices=("isotonic", "max"), default="isotonic",
+                   help="how noisy medians are made non-decreasing in K: least-squares isotonic fit "
+                        "(a stalled point becomes a small step) or running maximum (a cliff)")
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--scope", choices=("whole", "forward"), default="whole",

@@ -121,17 +121,44 @@ class AdditiveCost:
         return float(self.curve(bs, [k])[0])
 
 
-def force_monotone(measurements: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """Raise each T(bs, K) to the largest value at a smaller-or-equal K of the same bs.
+MONOTONE_METHODS = ("isotonic", "max")
+
+
+def _pool_adjacent_violators(y: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit of y (equal weights): merge neighbouring blocks whose
+    means decrease until none do; each point takes its block's mean."""
+    blocks: list[list[float]] = []                  # [sum, count]
+    for v in y:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
+
+
+def force_monotone(measurements: dict[tuple[int, int], float],
+                   method: str = "isotonic") -> dict[tuple[int, int], float]:
+    """Make T(bs, K) non-decreasing in K at every bs.
 
     Noise can make verifying more tokens look cheaper; the scheduler must never believe that.
+    "isotonic" (default): the least-squares non-decreasing fit (pool adjacent violators), so one
+    stalled point becomes a small step shared with its neighbours; "max": raise each point to
+    the largest value at a smaller K, which turns one stalled point into a cliff for every
+    larger K (on the H200 that made compact trim for nothing: chapter 09 §5a).
     Only along K: the scheduler compares steps of one batch size, and forcing across batch sizes
     too would let one slow outlier at a small bs inflate every larger bs.
     """
+    if method not in MONOTONE_METHODS:
+        raise ValueError(f"method must be one of {MONOTONE_METHODS}, not {method!r}")
+    rows: dict[int, list[tuple[int, float]]] = {}
+    for (bs, k), v in sorted(measurements.items()):
+        rows.setdefault(bs, []).append((k, v))
     out: dict[tuple[int, int], float] = {}
-    for bs, k in sorted(measurements):
-        prev = [v for (b2, k2), v in out.items() if b2 == bs and k2 <= k]
-        out[(bs, k)] = max([measurements[(bs, k)]] + prev)
+    for bs, row in rows.items():
+        vals = [v for _, v in row]
+        fitted = _pool_adjacent_violators(vals) if method == "isotonic" else np.maximum.accumulate(vals).tolist()
+        out.update({(bs, k): float(f) for (k, _), f in zip(row, fitted)})
     return out
 
 
@@ -158,6 +185,7 @@ class CostTable:
     notes: dict = field(default_factory=dict)      # how it was measured (context, phases, ...)
     samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)   # every timed step
     _row_cache: tuple = field(default=(), init=False, repr=False, compare=False)
+    _curve_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- fitting and prediction ----
     def fit_additive(self, m_knots: Sequence[int] | None = None) -> AdditiveCost:
@@ -196,6 +224,7 @@ class CostTable:
                 rows.setdefault(b, []).append((k, s))
             self._row_cache = (key, {b: (np.array([k for k, _ in v], dtype=np.float64), np.array([s for _, s in v]))
                                      for b, v in rows.items()})
+            self._curve_cache = {}
         return self._row_cache[1]
 
     @staticmethod
@@ -228,8 +257,13 @@ class CostTable:
         return float(self.staircase(bs, [k])[0])
 
     def curve(self, bs: int, k_max: int) -> np.ndarray:
-        """Predicted seconds for K = 0..k_max at batch size bs."""
-        return self.staircase(bs, np.arange(k_max + 1))
+        """Predicted seconds for K = 0..k_max at batch size bs (cached: read every step; do not
+        modify the returned array)."""
+        self._rows()                                   # drops the cache if the table changed
+        c = self._curve_cache.get((bs, k_max))
+        if c is None:
+            c = self._curve_cache[(bs, k_max)] = self.staircase(bs, np.arange(k_max + 1))
+        return c
 
     def is_flat(self, rel_tol: float = DEFAULT_FLAT_REL_TOL) -> bool:
         """True when no measured batch size shows the cost growing with K (or nothing measured).
@@ -308,15 +342,19 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                       repeats: int = DEFAULT_REPEATS, timer: Callable[[], float] = time.perf_counter,
                       warmup: int = DEFAULT_WARMUP, model_name: str = "", dtype: str = "",
                       device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True,
-                      settle: int = DEFAULT_SETTLE, shuffle: bool = True) -> CostTable:
-    """Time run_step(bs, K) on a (bs, K) staircase; medians, forced monotone, additive fit.
+                      settle: int = DEFAULT_SETTLE, shuffle: bool = True,
+                      monotone: str = "isotonic") -> CostTable:
+    """Time run_step(bs, K) on a (bs, K) staircase; medians, forced monotone (`force_monotone`
+    with `monotone` as its method), additive fit.
 
     run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
     until it has finished (e.g. end with torch.cuda.synchronize()), otherwise the timer measures
-    the launch only. extra_tokens is a list of K, or a function bs -> list of K (e.g. K <= bs*gamma).
+    the launch only. If it has a `prepare(bs, K)` attribute, that is called untimed before each
+    point (e.g. to bring the batch back to the profiled context length). extra_tokens is a list of K, or a function bs -> list of K (e.g. K <= bs*gamma).
     """
     from tqdm.auto import tqdm
 
+    prepare = getattr(run_step, "prepare", None)     # optional untimed set-up before each point
     ks = {b: list(extra_tokens(b) if callable(extra_tokens) else extra_tokens) for b in batch_sizes}
     times: dict[tuple[int, int], list[float]] = {(b, k): [] for b in batch_sizes for k in ks[b]}
     bar = tqdm(total=sum(len(v) for v in ks.values()) * (warmup + repeats), desc="profiling step cost",
@@ -334,6 +372,8 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
             if shuffle:
                 rng.shuffle(order)
             for k in order:
+                if prepare is not None:
+                    prepare(b, k)
                 for _ in range(settle if r >= warmup else 0):
                     run_step(b, k)
                 t0 = timer()
@@ -343,7 +383,7 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                 bar.update()
     bar.close()
     raw = {key: statistics.median(v) for key, v in times.items()}
-    table = CostTable(force_monotone(raw), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
+    table = CostTable(force_monotone(raw, monotone), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
     table.fit_additive()
     if verbose:
         print(table.format_fit())
@@ -404,7 +444,8 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     tokens and the cost model is only a model). A step cost that does not vary with K (flat
     table) also returns the full budget.
     """
-    s = torch.as_tensor(survival_lagged, dtype=torch.float64).cpu().numpy()
+    s = (survival_lagged.detach().double().cpu().numpy() if isinstance(survival_lagged, torch.Tensor)
+         else np.asarray(survival_lagged, dtype=np.float64))
     R, gamma = s.shape
     full = R * gamma
     if full == 0:
@@ -424,9 +465,17 @@ def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tens
 
     survival = cumprod(conf); cells are ordered by survival descending, then position
     ascending, then request ascending (a stable descending sort over a position-major
-    flattening); the first `budget` cells with positive survival are admitted. No host sync:
-    `budget` is a host int and every other step stays on the device.
+    flattening); the first `budget` cells with positive survival are admitted. Host
+    confidences are handled in numpy (the engine's synchronous loop passes a host copy);
+    device ones stay on the device with no host sync (`budget` is a host int).
     """
+    if conf_current.device.type == "cpu":
+        return torch.from_numpy(_topk_windows_np(conf_current.detach().float().numpy(), budget))
+    return _topk_windows_torch(conf_current, budget)
+
+
+def _topk_windows_torch(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
+    """`allocate_windows_topk` with torch ops, on the confidences' device (no host sync)."""
     a = torch.cumprod(conf_current.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
     R, gamma = a.shape
     k = max(0, min(int(budget), R * gamma))
@@ -436,6 +485,20 @@ def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tens
     order = torch.sort(flat, descending=True, stable=True).indices[:k]
     admitted = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, order, True) & (flat > 0)
     return admitted.view(gamma, R).sum(0)
+
+
+def _topk_windows_np(conf: np.ndarray, budget: int) -> np.ndarray:
+    """`allocate_windows_topk` for host confidences, in numpy (same order and tie-break)."""
+    a = np.cumprod(np.clip(np.nan_to_num(conf, nan=0.0), 0.0, 1.0), axis=1)
+    R, gamma = a.shape
+    k = max(0, min(int(budget), R * gamma))
+    if k == R * gamma:
+        return (a > 0).sum(1).astype(np.int64)
+    flat = a.T.reshape(-1)                         # index = position * R + request
+    order = np.argsort(-flat, kind="stable")[:k]   # stable: ties keep position-major order
+    admitted = np.zeros(flat.shape, dtype=bool)
+    admitted[order] = True
+    return (admitted & (flat > 0)).reshape(gamma, R).sum(0).astype(np.int64)
 
 
 class ConfidenceRelay:
@@ -452,29 +515,40 @@ class ConfidenceRelay:
             raise ValueError("lag must be >= 1 (lag 0 would let a draft decide its own admission)")
         self.max_slots, self.gamma, self.lag = max_slots, gamma, lag
         depth = lag + 1
-        self.conf = torch.ones(depth, max_slots, gamma)
-        self.stamp = torch.full((depth, max_slots), -1, dtype=torch.int64)
-        self.generation = torch.full((depth, max_slots), -1, dtype=torch.int64)
+        # numpy, not torch: a few small host ops per step, each far cheaper than a torch dispatch
+        self.conf = np.ones((depth, max_slots, gamma), dtype=np.float32)
+        self.stamp = np.full((depth, max_slots), -1, dtype=np.int64)
+        self.generation = np.full((depth, max_slots), -1, dtype=np.int64)
 
     def push(self, step: int, slot_ids, generation_ids, conf) -> None:
         """Record conf [R, gamma] (copied to the host) for slots at `step`."""
         row = step % (self.lag + 1)
-        slots = torch.as_tensor(slot_ids, dtype=torch.int64).cpu()
-        self.conf[row, slots] = torch.as_tensor(conf).detach().to("cpu", torch.float32)
+        slots = _host_ints(slot_ids)
+        self.conf[row, slots] = _host_floats(conf)
         self.stamp[row, slots] = step
-        self.generation[row, slots] = torch.as_tensor(generation_ids, dtype=torch.int64).cpu()
+        self.generation[row, slots] = _host_ints(generation_ids)
 
     def lagged(self, slot_ids, generation_ids, step: int) -> torch.Tensor:
         """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
-        slots = torch.as_tensor(slot_ids, dtype=torch.int64).cpu()
+        return torch.from_numpy(self.lagged_np(slot_ids, generation_ids, step))
+
+    def lagged_np(self, slot_ids, generation_ids, step: int) -> np.ndarray:
+        slots = _host_ints(slot_ids)
         src = step - self.lag
         if src < 0:
-            return torch.ones(len(slots), self.gamma)
+            return np.ones((len(slots), self.gamma), dtype=np.float32)
         row = src % (self.lag + 1)
-        ok = (self.stamp[row, slots] == src) & \
-             (self.generation[row, slots] == torch.as_tensor(generation_ids, dtype=torch.int64).cpu())
-        conf = torch.where(ok.unsqueeze(1), self.conf[row, slots], torch.ones(()))
-        return torch.cumprod(conf, dim=1)
+        ok = (self.stamp[row, slots] == src) & (self.generation[row, slots] == _host_ints(generation_ids))
+        conf = np.where(ok[:, None], self.conf[row, slots], np.float32(1.0))
+        return np.cumprod(conf, axis=1)
+
+
+def _host_ints(x) -> np.ndarray:
+    return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64)
+
+
+def _host_floats(x) -> np.ndarray:
+    return x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
 
 
 @dataclass
@@ -554,11 +628,17 @@ class CostScheduler:
             windows = torch.full((R,), self.gamma, dtype=torch.int64, device=conf_current.device)
             plan = SchedulePlan(step, mode, full, windows, R + full, self._predict(R, full))
         else:
-            lagged = self.relay.lagged(slot_ids, generation_ids, step)
-            budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
+            times = self.cost_table.curve(R, full)
+            if times[-1] <= (1.0 + self.min_gain) * times.min():
+                # No survivals can make trimming pass the guard at this bs: Theta(K) / Theta(full)
+                # <= T(full) / T(K), since the top-K survivals are at most all of them. Skip the search.
+                budget = full
+            else:
+                lagged = self.relay.lagged_np(slot_ids, generation_ids, step)
+                budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
             windows = allocate_windows_topk(conf_current, budget)
             verified = budget if mode == "compact" else full
-            plan = SchedulePlan(step, mode, budget, windows, R + verified, self._predict(R, verified))
+            plan = SchedulePlan(step, mode, budget, windows, R + verified, float(times[verified]))
         if record:
             self.record(step, slot_ids, generation_ids, conf_current)
         return plan

@@ -107,7 +107,7 @@ class SpecDecoder:
         if self.mode == "static":
             return [self.gamma] * len(reqs), float("nan")
         ids = [self.slot_of(r) for r in reqs]
-        plan = self.scheduler.plan(torch.tensor([i[0] for i in ids]), torch.tensor([i[1] for i in ids]), conf_host)
+        plan = self.scheduler.plan([i[0] for i in ids], [i[1] for i in ids], conf_host)
         return plan.windows.tolist(), plan.predicted_step_time
 
     # -- the step ---------------------------------------------------------------------------

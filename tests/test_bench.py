@@ -90,6 +90,23 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     assert sorted(r.prompt_ids for r in running) == sorted([prompts[0][-20:], prompts[1], prompts[0][-20:]])
     run.close()
     assert not eng.has_unfinished()
+    # prepare() keeps the profiled context fixed: once a request has grown past the slack, the
+    # batch is rebuilt from the same prompts, untimed and outside the phase clock
+    run = be.whole_step_runner(llm, context_len=20, prompts=prompts, context_slack=4)
+    run.prepare(3, 0)
+    ids = {r.request_id for r in running}
+    run(3, 0)                                        # K = 0: one token per request
+    run.prepare(3, 0)                                # 2 tokens, within the slack: nothing to do
+    assert {r.request_id for r in running} == ids and max(len(r.output_ids) for r in running) == 2
+    while max(len(r.output_ids) for r in running) <= 4:
+        run(3, 3 * spec.gamma)
+    steps = eng.clock.steps
+    run.prepare(3, 0)
+    assert {r.request_id for r in running}.isdisjoint(ids) and all(len(r.output_ids) == 1 for r in running)
+    assert sorted(r.prompt_ids for r in running) == sorted([prompts[0][-20:], prompts[1], prompts[0][-20:]])
+    assert eng.clock.steps == steps and run.state["rebuilds"] >= 1
+    run.close()
+    assert not eng.has_unfinished() and all(u["used"] == 0 for u in eng.kv_usage().values())
 
 
 def test_profile_k_grid_is_dense_and_ends_at_full_blocks():

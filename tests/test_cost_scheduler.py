@@ -235,6 +235,17 @@ def test_budget_drops_tiny_survivals():
 # relay
 # ---------------------------------------------------------------------------------------------
 
+def test_topk_windows_numpy_and_torch_paths_agree():
+    """The host (numpy) and device (torch) top-K give the same windows, ties and zeros included."""
+    from nanodspark.cost_scheduler import _topk_windows_np, _topk_windows_torch
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        R, gamma = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        conf = torch.randint(0, 5, (R, gamma), generator=g).float() / 4      # many ties, some zeros
+        for budget in (0, 1, R, R * gamma // 2, R * gamma, R * gamma + 3):
+            assert _topk_windows_np(conf.numpy(), budget).tolist() == _topk_windows_torch(conf, budget).tolist()
+
+
 def test_relay_lag_and_generation_guard():
     relay = ConfidenceRelay(max_slots=4, gamma=2, lag=2)
     assert torch.equal(relay.lagged([0, 1], [7, 7], step=1), torch.ones(2, 2))   # nothing yet
@@ -325,8 +336,25 @@ def test_staircase_keeps_cliffs_and_is_what_the_scheduler_reads():
 
 
 def test_force_monotone():
-    m = force_monotone({(1, 0): 1.0, (1, 4): 0.9, (2, 0): 0.8, (2, 4): 2.0})
+    m = force_monotone({(1, 0): 1.0, (1, 4): 0.9, (2, 0): 0.8, (2, 4): 2.0}, method="max")
     assert m == {(1, 0): 1.0, (1, 4): 1.0, (2, 0): 0.8, (2, 4): 2.0}     # along K only
+    m = force_monotone({(1, 0): 1.0, (1, 4): 0.9, (2, 0): 0.8, (2, 4): 2.0})
+    assert m == pytest.approx({(1, 0): 0.95, (1, 4): 0.95, (2, 0): 0.8, (2, 4): 2.0})
+    # one stalled point: the running maximum makes it a cliff, the isotonic fit a small step
+    spike = {(4, k): v for k, v in zip((0, 4, 8, 12), (10.0, 20.0, 11.0, 12.0))}
+    assert list(force_monotone(spike, method="max").values()) == [10.0, 20.0, 20.0, 20.0]
+    assert list(force_monotone(spike).values()) == pytest.approx([10.0, 43 / 3, 43 / 3, 43 / 3])
+    # the isotonic fit is the least-squares non-decreasing one: no non-decreasing grid beats it
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=7).cumsum() + rng.normal(size=7)
+    fit = np.array(list(force_monotone({(1, k): float(v) for k, v in enumerate(y)}).values()))
+    assert np.all(np.diff(fit) >= -1e-12)
+    sse = ((fit - y) ** 2).sum()
+    for _ in range(2000):
+        cand = np.sort(rng.normal(size=7) * 2 + y.mean())
+        assert ((cand - y) ** 2).sum() >= sse - 1e-9
+    with pytest.raises(ValueError):
+        force_monotone(spike, method="median")
 
 
 def test_cost_table_json_roundtrip_and_keyed_file(tmp_path):
@@ -363,6 +391,15 @@ def test_profile_step_cost_with_a_fake_clock(capsys):
     profile_step_cost(run_step, [1], [0, 2], repeats=2, warmup=1, timer=lambda: clock["t"], verbose=False, settle=1,
                       shuffle=False)
     assert calls == [(1, 0), (1, 2)] + [(1, 0), (1, 0), (1, 2), (1, 2)] * 2
+    # an optional prepare(bs, K) runs before each point (warm-up included), outside the timer
+    prepared = []
+
+    def run_prepared(bs, k):
+        run_step(bs, k)
+    run_prepared.prepare = lambda bs, k: (prepared.append((bs, k)), clock.update(t=clock["t"] + 100.0))
+    t2 = profile_step_cost(run_prepared, [1], [0, 2], repeats=2, warmup=1, timer=lambda: clock["t"], verbose=False,
+                           settle=1, shuffle=False)
+    assert prepared == [(1, 0), (1, 2)] * 3 and max(t2.raw.values()) < 1.0
     # shuffled rounds: each round visits every K once, not always in the same order
     calls.clear()
     profile_step_cost(run_step, [4], list(range(8)), repeats=4, warmup=0, timer=lambda: clock["t"], verbose=False,
@@ -426,6 +463,23 @@ def test_scheduler_compact_uses_lagged_budget_and_fresh_windows():
     lagged = torch.cumprod(high, 1)
     lagged[1] = 1.0
     assert p3.budget == budget_from_lagged(lagged, trimming_table())
+
+
+def test_scheduler_skips_the_search_where_no_trim_can_pass_the_guard():
+    """Where T(full) <= (1 + min_gain) * min T the search is skipped (full budget), and that is
+    exactly what the search would have found, for any survivals; elsewhere it still trims."""
+    table = CostTable({(2, 0): 10.0, (2, 3): 10.2, (2, 6): 10.39,        # +3.9 %: never trims
+                       (4, 0): 10.0, (4, 12): 20.0})                      # doubles: may trim
+    g = torch.Generator().manual_seed(0)
+    sched = CostScheduler(gamma=3, max_slots=8, mode="compact", cost_table=table)
+    for step in range(30):
+        conf = torch.rand(2, 3, generator=g) ** 4
+        plan = sched.plan([0, 1], [0, 0], conf)
+        assert plan.budget == 6 and plan.verify_tokens == 8
+        assert budget_from_lagged(torch.cumprod(conf, 1), table) == 6
+    low = torch.full((4, 3), 0.05)
+    budgets = [sched.plan([0, 1, 2, 3], [0] * 4, low).budget for _ in range(3)]
+    assert budgets[-1] < 12                   # two steps later the lagged low confidences trim
 
 
 def test_scheduler_cap_accept_verifies_full_blocks():
