@@ -77,7 +77,7 @@ class SpecDecoder:
     # -- draft ----------------------------------------------------------------------------
     def draft(self, reqs) -> Draft:
         dev = self.cache.device
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=dev)
+        anchors = torch.tensor([r.last_id for r in reqs], device=dev)
         pos = torch.tensor([r.num_computed for r in reqs], device=dev)
         tables = [r.tables["draft"].blocks for r in reqs]
         width = max(len(t) for t in tables)
@@ -134,7 +134,7 @@ class SpecDecoder:
                 n_ver = min(w if self.mode == "compact" else self.gamma, room)
                 limits.append(n_ver)
                 wins.append(min(w, n_ver))
-                chunks.append(Chunk(r.tables, r.num_computed, [r.all_ids[-1]] + d[:n_ver],
+                chunks.append(Chunk(r.tables, r.num_computed, [r.last_id] + d[:n_ver],
                                     "all", r.replay_until, r.kv_start))
         res = eng.runner.forward(chunks, capture_layers=self.capture)
         lap("forward")
@@ -215,11 +215,11 @@ class SpecDecoder:
 
     def _settle(self, r, final: bool = False) -> None:
         pos0, drafts, window, accepted = self.pending[r.request_id]
-        ids, verdicts = r.all_ids, []
+        later, verdicts = r.ids(pos0, pos0 + len(drafts)), []     # the tokens committed since
         for j, d in enumerate(drafts):
-            if pos0 + j >= len(ids):
+            if j >= len(later):
                 break
-            verdicts.append(ids[pos0 + j] == d)
+            verdicts.append(later[j] == d)
             if not verdicts[-1]:
                 break
         if final or len(verdicts) == len(drafts) or (verdicts and not verdicts[-1]):

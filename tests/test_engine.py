@@ -199,3 +199,41 @@ def test_stop_strings_cut_the_text_and_finish(ref_llm):
     assert out.finish_reason == "stop" and out.text == free.text[:free.text.index(stop)]
     assert len(out.token_ids) < len(free.token_ids)
     check_no_leak(ref_llm)
+
+
+def test_incremental_detokenizer_equals_a_full_decode():
+    """Streaming pieces decoded window by window add up to decode(all tokens), also when a
+    token splits a multi-byte character; stop strings cut where a full-text search would."""
+    import random
+    from types import SimpleNamespace
+    from nanodspark.engine import LLMEngine, Request
+    from nanodspark.loader import Tokenizer, resolve_model_dir
+    tok = Tokenizer(resolve_model_dir(None))
+    eng = SimpleNamespace(tokenizer=tok)
+    rng = random.Random(0)
+    text = "Tea ☕ and 日本語 café — naïve 🙂👍🏽 résumé.\n\nDone: ∑ x² ≥ 0.\n"
+    cases = [tok.encode(text * 3)] + [[rng.randrange(13, 8192) for _ in range(60)] for _ in range(20)]
+    for ids in cases:
+        for stop in ([], ["\n\n"], ["x²"]):
+            req = Request("r", [1], SamplingParams(stop=stop), torch.Generator())
+            pieces, i, hit = [], 0, False
+            while i < len(ids) and not hit:
+                n = rng.randint(1, 6)
+                new, i = ids[i:i + n], min(len(ids), i + n)
+                req.output_ids += new
+                piece, hit = LLMEngine._detokenize(eng, req, new, final=i == len(ids))
+                assert "\ufffd" not in piece or i == len(ids) or tok.decode(ids[:i]).count("\ufffd")
+                pieces.append(piece)
+            full = tok.decode(ids)
+            cut = min([full.find(s) for s in stop if s in full], default=-1)
+            want = full[:cut] if cut >= 0 else full
+            assert "".join(pieces) == want and req.text == want and hit == (cut >= 0)
+
+
+def test_request_id_slices_match_all_ids():
+    from nanodspark.engine import Request
+    r = Request("r", [5, 6, 7], SamplingParams(), torch.Generator(), output_ids=[8, 9])
+    for a in range(7):
+        for b in range(a, 8):
+            assert r.ids(a, b) == r.all_ids[a:b]
+    assert r.last_id == 9 and Request("q", [4], SamplingParams(), torch.Generator()).last_id == 4
