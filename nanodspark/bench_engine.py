@@ -280,6 +280,7 @@ def profile(args) -> dict:
         table = profile_step_cost(runner, args.batch_sizes,
                                   lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
+                                  estimator=getattr(args, "estimator", "rounds"),
                                   model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
@@ -287,6 +288,7 @@ def profile(args) -> dict:
     table.notes = {"context": args.context, "scope": args.scope, "repeats": args.repeats, "prefix_cache": False,
                    "prompts": getattr(args, "prompts", "random"),
                    "monotone": getattr(args, "monotone", "isotonic"),
+                   "estimator": getattr(args, "estimator", "rounds"),
                    "context_slack": DEFAULT_CONTEXT_SLACK if args.scope == "whole" else 0,
                    "rebuilds": getattr(runner, "state", {}).get("rebuilds", 0),
                    "phases_ms_by_bs": getattr(runner, "phases", {})}
@@ -425,6 +427,9 @@ def add_profile_args(p) -> None:
     p.add_argument("--prompts", choices=("mix", "random"), default="mix",
                    help="mixed workload prompts (acceptance and lengths like traffic) or random tokens")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--estimator", choices=("rounds", "median"), default="rounds",
+                   help="cost per point: median over rounds with each round's level removed "
+                        "(robust to slow stretches of the machine) or the plain median")
     p.add_argument("--monotone", choices=("isotonic", "max"), default="isotonic",
                    help="how noisy medians are made non-decreasing in K: least-squares isotonic fit "
                         "(a stalled point becomes a small step) or running maximum (a cliff)")

@@ -41,7 +41,7 @@ Defaults (the one place they are written down; every function takes them as para
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
                                  (the value TensorRT-LLM's `confidence_min_predicted_gain` uses)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
-    DEFAULT_REPEATS = 5          timed repetitions per (bs, K) in `profile_step_cost` (median)
+    DEFAULT_REPEATS = 5          timed rounds per batch size in `profile_step_cost`
     DEFAULT_WARMUP = 1           untimed rounds over a batch size's K grid before the timed ones
     DEFAULT_SETTLE = 1           untimed steps of the same (bs, K) right before each timed one
     DEFAULT_FLAT_REL_TOL = 0.01  a table is flat if T(bs, K) varies by < 1 % over K at every bs
@@ -171,7 +171,7 @@ class CostTable:
     two points is charged early); between measured batch sizes, linear in bs at the same drafts
     per request. The additive model is fitted and printed next to it: it explains the cost, but
     a smooth fit erases the cliffs that make trimming pay (and one outlier bends it everywhere).
-    `raw` keeps the medians before `force_monotone`.
+    `raw` keeps the per-point estimates before `force_monotone`.
     Keyed (for `save` / `load`) by model name, dtype, device and the graph tiers in use, since a
     table measured under one of those says nothing about another.
     """
@@ -337,15 +337,37 @@ class CostTable:
         return None if d is None else cls.from_json(d)
 
 
+ESTIMATORS = ("rounds", "median")
+
+
+def round_adjusted(samples_by_k: Sequence[Sequence[float]], iterations: int = 3) -> list[float]:
+    """Per-K step cost from a [K, rounds] grid of timings, with each round's level removed.
+
+    The profiler visits every K once per round, so a round is a block: on the H200 whole
+    rounds ran ~50 % slow (the machine alternates between a fast and a slow state lasting about
+    a round), and a plain median per K then depends on how many of its samples fell in slow
+    rounds. In logs, t[k, r] = mu_k + rho_r + noise; alternating medians (a median polish)
+    estimate mu_k and rho_r robustly, rho centred on the typical round; returns exp(mu_k).
+    """
+    L = np.log(np.asarray(samples_by_k, dtype=np.float64))
+    rho = np.zeros(L.shape[1])
+    for _ in range(iterations):
+        mu = np.median(L - rho[None, :], axis=1)
+        rho = np.median(L - mu[:, None], axis=0)
+        rho -= np.median(rho)
+    return np.exp(np.median(L - rho[None, :], axis=1)).tolist()
+
+
 def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequence[int],
                       extra_tokens: Sequence[int] | Callable[[int], Sequence[int]],
                       repeats: int = DEFAULT_REPEATS, timer: Callable[[], float] = time.perf_counter,
                       warmup: int = DEFAULT_WARMUP, model_name: str = "", dtype: str = "",
                       device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True,
                       settle: int = DEFAULT_SETTLE, shuffle: bool = True,
-                      monotone: str = "isotonic") -> CostTable:
-    """Time run_step(bs, K) on a (bs, K) staircase; medians, forced monotone (`force_monotone`
-    with `monotone` as its method), additive fit.
+                      monotone: str = "isotonic", estimator: str = "rounds") -> CostTable:
+    """Time run_step(bs, K) on a (bs, K) staircase; a cost per point (`estimator`: "rounds" =
+    `round_adjusted`, each round's level removed; "median" = plain median of the repeats), forced
+    monotone (`force_monotone` with `monotone` as its method), additive fit.
 
     run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
     until it has finished (e.g. end with torch.cuda.synchronize()), otherwise the timer measures
@@ -382,7 +404,12 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                     times[(b, k)].append(timer() - t0)
                 bar.update()
     bar.close()
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
     raw = {key: statistics.median(v) for key, v in times.items()}
+    if estimator == "rounds" and repeats > 1:
+        for b in batch_sizes:               # times[(b, k)][r] is round r: every K once per round
+            raw.update(zip([(b, k) for k in ks[b]], round_adjusted([times[(b, k)] for k in ks[b]])))
     table = CostTable(force_monotone(raw, monotone), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
     table.fit_additive()
     if verbose:

@@ -357,6 +357,35 @@ def test_force_monotone():
         force_monotone(spike, method="median")
 
 
+def test_round_adjusted_removes_slow_rounds_that_fool_the_median():
+    """Three of seven rounds run 50 % slow (as on the H200): the per-K median jumps between the
+    fast and the slow level, the round-adjusted estimate recovers the true costs."""
+    from nanodspark.cost_scheduler import round_adjusted
+    mu = np.array([10.0, 10.2, 10.4, 10.6, 10.8, 11.0])
+    rng = np.random.default_rng(1)
+    slow = np.array([1.5, 1.0, 1.0, 1.5, 1.5, 1.0, 1.0])
+    grid = mu[:, None] * slow[None, :] * (1 + 0.005 * rng.standard_normal((6, 7)))
+    grid[2, 1] = grid[2, 2] = 15.0                          # and two samples of one K stalled
+    est = np.array(round_adjusted(grid.tolist()))
+    assert np.allclose(est, mu, rtol=0.02)
+    med = np.median(grid, axis=1)
+    assert abs(med[2] - mu[2]) / mu[2] > 0.3               # the median of that K is in the slow mode
+    # the profiler uses it by default on its samples (one per K per round); "median" keeps the median
+    clock, n = {"t": 0.0}, {"i": 0}
+
+    def run_step(bs, k):
+        n["i"] += 1
+        clock["t"] += (1.0 + 0.01 * k) * (1.5 if n["i"] % 7 in (1, 2, 3) else 1.0)
+    t = profile_step_cost(run_step, [1], list(range(6)), repeats=5, warmup=0, settle=0, shuffle=False,
+                          timer=lambda: clock["t"], verbose=False)
+    assert [t.raw[(1, k)] for k in range(6)] == pytest.approx(round_adjusted([t.samples[(1, k)] for k in range(6)]))
+    t = profile_step_cost(run_step, [1], list(range(6)), repeats=5, warmup=0, settle=0, shuffle=False,
+                          timer=lambda: clock["t"], verbose=False, estimator="median")
+    assert [t.raw[(1, k)] for k in range(6)] == [float(np.median(t.samples[(1, k)])) for k in range(6)]
+    with pytest.raises(ValueError):
+        profile_step_cost(run_step, [1], [0, 1], repeats=2, warmup=0, verbose=False, estimator="mean")
+
+
 def test_cost_table_json_roundtrip_and_keyed_file(tmp_path):
     table = synthetic_table()
     table.fit_additive()
