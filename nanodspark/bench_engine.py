@@ -354,11 +354,15 @@ def dspark_bench(args) -> dict:
     # All three engines stay loaded and their runs are interleaved (A B C A B C ...), so a slow
     # drift of the machine (clocks, host load) hits every mode alike instead of whichever mode
     # happened to run last; compact vs static is also reported as paired per-repeat ratios.
+    engines = [("no-spec", "none", "static", {}), ("static", None, "static", {}), ("compact", None, "compact", {})]
+    if getattr(args, "no_trim", False):
+        # compact that never trims (no gain can pass the guard): its plan and nothing else, to
+        # tell compact's overhead from the effect of its trimming
+        engines.append(("compact-no-trim", None, "compact", {"verify_min_gain": 1e9}))
     llms = {name: LLM(args.model, drafter_path=drafter, verify_mode=mode, cost_table=args.cost_table,
                       max_num_seqs=max(args.concurrency), use_tqdm=False, kv_cache_memory_gb=args.kv_gb,
-                      max_num_batched_tokens=8192, enable_prefix_cache=False)
-            for name, drafter, mode in (("no-spec", "none", "static"), ("static", None, "static"),
-                                        ("compact", None, "compact"))}
+                      max_num_batched_tokens=8192, enable_prefix_cache=False, **extra)
+            for name, drafter, mode, extra in engines}
     tok = llms["static"].tokenizer
     for wl in args.workloads:
         for c in args.concurrency:
@@ -382,7 +386,11 @@ def dspark_bench(args) -> dict:
             ratio = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs["compact"], runs["static"])]
             paired.append({"workload": wl, "concurrency": c, "compact_over_static": round(statistics.median(ratio), 3),
                            "min": round(min(ratio), 3), "max": round(max(ratio), 3)})
-            print(wl, c, {k: rows[-3 + i]["total_tok_s"] for i, k in enumerate(runs)}, paired[-1], flush=True)
+            if "compact-no-trim" in runs:
+                nt = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs["compact-no-trim"], runs["static"])]
+                paired[-1].update(no_trim_over_static=round(statistics.median(nt), 3),
+                                  no_trim_min=round(min(nt), 3), no_trim_max=round(max(nt), 3))
+            print(wl, c, {k: rows[-len(runs) + i]["total_tok_s"] for i, k in enumerate(runs)}, paired[-1], flush=True)
             if args.out:  # keep what is measured if the run is cut short
                 Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows,
                                                       "paired_compact_over_static": paired}))
@@ -452,6 +460,8 @@ def add_dspark_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-trim", action="store_true",
+                   help="also run compact with a guard no gain can pass (its overhead alone), paired with static")
     p.add_argument("--mixed-concurrency", type=int, default=64)
     p.add_argument("--mixed-requests", type=int, default=128)
     p.add_argument("--data-dir", default=None)
@@ -510,7 +520,7 @@ def dspark_markdown(result: dict) -> str:
     by = {(r["workload"], r["concurrency"], r["mode"]): r for r in result["sweep"]}
     paired = {(q["workload"], q["concurrency"]): q for q in result.get("paired_compact_over_static", [])}
     points = sorted({(w, c) for w, c, _ in by}, key=lambda wc: (wc[0] != "mix", wc[0], wc[1]))
-    modes = [m for m in ("no-spec", "static", "compact") if any(k[2] == m for k in by)]
+    modes = [m for m in ("no-spec", "static", "compact", "compact-no-trim") if any(k[2] == m for k in by)]
     cell = lambda w, c, m: by.get((w, c, m))  # noqa: E731
     lines = ["| workload, concurrency | " + " | ".join(f"{w}, {c}" for w, c in points) + " |",
              "|---|" + "---|" * len(points)]
@@ -526,6 +536,10 @@ def dspark_markdown(result: dict) -> str:
         row("compact / static, paired (range)", lambda w, c: (
             f"{paired[(w, c)]['compact_over_static']:.2f} ({paired[(w, c)]['min']:.2f}-{paired[(w, c)]['max']:.2f})"
             if (w, c) in paired else "-"))
+    if any("no_trim_over_static" in q for q in paired.values()):
+        row("compact-no-trim / static, paired (range)", lambda w, c: (
+            f"{paired[(w, c)]['no_trim_over_static']:.2f} ({paired[(w, c)]['no_trim_min']:.2f}-"
+            f"{paired[(w, c)]['no_trim_max']:.2f})" if "no_trim_over_static" in paired.get((w, c), {}) else "-"))
     spec = [m for m in modes if m != "no-spec"]
     sums = {(w, c, m): point_summary(cell(w, c, m)) for w, c in points for m in spec if cell(w, c, m)}
     for key, label, fmt in (("window", "drafts verified per request", ".2f"), ("tau", "τ", ".2f"),

@@ -169,6 +169,8 @@ class EngineConfig:
     gamma: int = 0                        # draft block size; 0 = the drafter's trained block size
     verify_mode: str = "static"           # "static" | "compact" | "cap-accept"
     cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
+    verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
+    verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate
 
@@ -187,5 +189,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
         if self.verify_mode not in ("static", "compact", "cap-accept"):
             raise ValueError(f"verify_mode must be static, compact or cap-accept, not {self.verify_mode!r}")
+        if self.verify_min_gain < 0 or self.verify_lag < 1:
+            raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")

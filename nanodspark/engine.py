@@ -340,7 +340,8 @@ class LLMEngine:
                             dtype=self.dtype, device=self.device)
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
-        sched = CostScheduler(dc.gamma, cfg.max_num_seqs + cfg.max_waiting + 1, mode=cfg.verify_mode, cost_table=table)
+        sched = CostScheduler(dc.gamma, cfg.max_num_seqs + cfg.max_waiting + 1, mode=cfg.verify_mode, cost_table=table,
+                              lag=cfg.verify_lag, min_gain=cfg.verify_min_gain)
         return SpecDecoder(drafter, manager, cache, cfg.verify_mode, sched, cfg.max_num_seqs + cfg.max_waiting + 1)
 
     def _num_kv_blocks(self, drafter=None) -> int:

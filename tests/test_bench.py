@@ -6,6 +6,7 @@ import types
 from pathlib import Path
 
 from nanodspark import bench_engine as be
+from nanodspark.cost_scheduler import CostTable
 
 from test_verify import make_drafter
 
@@ -45,6 +46,28 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert phases.count("\n") == len(res["sweep"]) + 1 and "| mix, 2, compact |" in phases
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dspark_sweep_with_a_compact_that_never_trims(tiny_dir, tmp_path):
+    """--no-trim adds compact with a guard no gain passes: it verifies what static verifies, and
+    its paired ratio to static is reported (compact's overhead alone)."""
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    table = tmp_path / "cost.json"
+    CostTable({(1, 0): 0.01, (1, 2): 0.02, (2, 0): 0.01, (2, 4): 0.03}, model_name=str(model), dtype="torch.float32",
+              device="cpu").save(table)
+    res = be.dspark_bench(types.SimpleNamespace(
+        model=str(model), cost_table=str(table), concurrency=[2], workloads=["math"], min_requests=2,
+        max_tokens=6, prompt_tokens=32, temperature=0.0, mixed_concurrency=2, mixed_requests=4, data_dir=None,
+        kv_gb=0.05, out=None, repeats=1, no_trim=True))
+    by = {r["mode"]: r for r in res["sweep"]}
+    assert set(by) == {"no-spec", "static", "compact", "compact-no-trim"}
+    verified = {m: sum(w["verified"] for w in by[m]["by_workload"].values()) for m in by}
+    assert verified["compact-no-trim"] == verified["static"] > 0
+    q = res["paired_compact_over_static"][0]
+    assert q["no_trim_min"] <= q["no_trim_over_static"] <= q["no_trim_max"]
+    assert "compact-no-trim / static, paired" in be.dspark_markdown(res)
 
 
 def test_bench_prompts_fill_a_concurrency_larger_than_the_workload():

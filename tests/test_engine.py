@@ -237,3 +237,13 @@ def test_request_id_slices_match_all_ids():
         for b in range(a, 8):
             assert r.ids(a, b) == r.all_ids[a:b]
     assert r.last_id == 9 and Request("q", [4], SamplingParams(), torch.Generator()).last_id == 4
+
+
+def test_scheduler_knobs_live_in_engine_config():
+    from nanodspark.config import EngineConfig
+    from nanodspark import cost_scheduler as cs
+    cfg = EngineConfig()
+    assert (cfg.verify_min_gain, cfg.verify_lag) == (cs.DEFAULT_MIN_GAIN, cs.DEFAULT_LAG)
+    for bad in ({"verify_min_gain": -0.1}, {"verify_lag": 0}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
