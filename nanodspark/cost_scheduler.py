@@ -349,7 +349,7 @@ def round_adjusted(samples_by_k: Sequence[Sequence[float]], iterations: int = 3)
     rounds. In logs, t[k, r] = mu_k + rho_r + noise; alternating medians (a median polish)
     estimate mu_k and rho_r robustly, rho centred on the typical round; returns exp(mu_k).
     """
-    L = np.log(np.asarray(samples_by_k, dtype=np.float64))
+    L = np.log(np.maximum(np.asarray(samples_by_k, dtype=np.float64), 1e-12))   # a 0 s timing stays finite
     rho = np.zeros(L.shape[1])
     for _ in range(iterations):
         mu = np.median(L - rho[None, :], axis=1)
