@@ -372,7 +372,8 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
     run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
     until it has finished (e.g. end with torch.cuda.synchronize()), otherwise the timer measures
     the launch only. If it has a `prepare(bs, K)` attribute, that is called untimed before each
-    point (e.g. to bring the batch back to the profiled context length). extra_tokens is a list of K, or a function bs -> list of K (e.g. K <= bs*gamma).
+    point (e.g. to bring the batch back to the profiled context length). extra_tokens is a list
+    of K, or a function bs -> list of K (e.g. K <= bs*gamma).
     """
     from tqdm.auto import tqdm
 

@@ -64,6 +64,9 @@ class SpecStats:
         return d
 
 
+DETOKENIZE_MAX_HOLD = 64   # tokens the detokenizer may hold back waiting for a character to complete
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -508,7 +511,9 @@ class LLMEngine:
             return "", False
         ids, decode = req.output_ids, self.tokenizer.decode
         window = decode(ids[req.detok_prefix:])
-        if final or not window.endswith("\ufffd"):          # else: wait for the rest of the character
+        # else wait for the rest of the character; bounded, so that a model emitting invalid
+        # UTF-8 for ever cannot make the window (and each step's decode) grow without limit
+        if final or not window.endswith("\ufffd") or len(ids) - req.detok_read > DETOKENIZE_MAX_HOLD:
             old = decode(ids[req.detok_prefix:req.detok_read])
             req.text += window[len(old):]
             req.detok_prefix, req.detok_read = req.detok_read, len(ids)

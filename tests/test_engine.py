@@ -247,3 +247,19 @@ def test_scheduler_knobs_live_in_engine_config():
     for bad in ({"verify_min_gain": -0.1}, {"verify_lag": 0}):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
+
+
+def test_detokenizer_hold_is_bounded_for_invalid_utf8():
+    """A stream that never completes a character cannot make the decode window grow for ever."""
+    from types import SimpleNamespace
+    from nanodspark.engine import DETOKENIZE_MAX_HOLD, LLMEngine, Request
+    from nanodspark.loader import Tokenizer, resolve_model_dir
+    tok = Tokenizer(resolve_model_dir(None))
+    lead = next(i for i in range(13, 8192) if tok.decode([i]) == "\ufffd")   # e.g. a lone lead byte
+    req = Request("r", [1], SamplingParams(), torch.Generator())
+    widest = 0
+    for _ in range(3 * DETOKENIZE_MAX_HOLD):
+        req.output_ids.append(lead)
+        LLMEngine._detokenize(SimpleNamespace(tokenizer=tok), req, [lead], final=False)
+        widest = max(widest, len(req.output_ids) - req.detok_prefix)
+    assert req.detok_read > 0 and widest <= 2 * DETOKENIZE_MAX_HOLD + 2
