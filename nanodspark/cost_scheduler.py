@@ -517,15 +517,20 @@ def _topk_windows_torch(conf_current: torch.Tensor, budget: int) -> torch.Tensor
 
 def _topk_windows_np(conf: np.ndarray, budget: int) -> np.ndarray:
     """`allocate_windows_topk` for host confidences, in numpy (same order and tie-break)."""
-    a = np.cumprod(np.clip(np.nan_to_num(conf, nan=0.0), 0.0, 1.0), axis=1)
+    a = np.cumprod(np.minimum(np.fmax(conf, 0.0), 1.0), axis=1)     # fmax maps NaN to 0
     R, gamma = a.shape
     k = max(0, min(int(budget), R * gamma))
     if k == R * gamma:
         return (a > 0).sum(1).astype(np.int64)
     flat = a.T.reshape(-1)                         # index = position * R + request
-    order = np.argsort(-flat, kind="stable")[:k]   # stable: ties keep position-major order
-    admitted = np.zeros(flat.shape, dtype=bool)
-    admitted[order] = True
+    if k == 0:
+        return np.zeros(R, dtype=np.int64)
+    # O(n) instead of a sort: every cell above the k-th largest value is in; of the cells equal
+    # to it, the first ones in position-major order fill the rest (the tie-break of the sort)
+    v = np.partition(flat, flat.size - k)[flat.size - k]
+    admitted = flat > v
+    ties = np.flatnonzero(flat == v)[:k - int(admitted.sum())]
+    admitted[ties] = True
     return (admitted & (flat > 0)).reshape(gamma, R).sum(0).astype(np.int64)
 
 
@@ -650,6 +655,7 @@ class CostScheduler:
             raise ValueError("slot_ids, generation_ids and conf_current must have one entry per request")
         step = self.next_step if step is None else step
         self.next_step = step + 1
+        slot_ids, generation_ids = _host_ints(slot_ids), _host_ints(generation_ids)   # once, not per use
         R, full = conf_current.shape[0], conf_current.shape[0] * self.gamma
         mode = self.effective_mode()
         if mode == "static":
