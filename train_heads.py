@@ -65,12 +65,12 @@ TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")
 
 
 # ----------------------------------------------------------------------------- 1. data
-def training_prompts(corpus: Path, n: int, seed: int) -> list[str]:
-    """Beginnings of training documents, spread over domains."""
+def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> list[str]:
+    """Beginnings of training documents, spread evenly over `domains`."""
     rng = random.Random(seed)
     out = []
-    per = n // len(TRAIN_DOMAINS) + 1
-    for dom in TRAIN_DOMAINS:
+    per = n // len(domains) + 1
+    for dom in domains:
         path = corpus / f"{dom}.txt.xz"
         if not path.exists():
             continue
@@ -87,7 +87,7 @@ def training_prompts(corpus: Path, n: int, seed: int) -> list[str]:
 
 
 def build_data(args, tok: Tokenizer) -> list[dict]:
-    prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed)
+    prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed, tuple(args.domains.split(",")))
     llm = LLM(args.target, drafter_path="none", max_num_seqs=args.gen_batch, use_tqdm=True,
               max_num_batched_tokens=8192)
     params = SamplingParams(temperature=args.gen_temperature, top_p=args.gen_top_p, max_tokens=args.gen_tokens, seed=None)
@@ -215,9 +215,14 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
     device = next(target.parameters()).device
     torch.manual_seed(args.seed)
     drafter = Drafter(dcfg, target.model.embed_tokens, target.lm_head).to(device)
-    for n_, p in drafter.named_parameters():
-        if p.dim() >= 2 and "markov_w2" not in n_:
-            torch.nn.init.normal_(p, std=0.02)
+    if getattr(args, "init", None) and name == "dspark":     # fine-tune an existing drafter
+        drafter = Drafter.load(args.init, target, device=device)
+        if drafter.config.gamma != dcfg.gamma:
+            raise ValueError(f"--init {args.init} has gamma {drafter.config.gamma}, not --gamma {dcfg.gamma}")
+    else:
+        for n_, p in drafter.named_parameters():
+            if p.dim() >= 2 and "markov_w2" not in n_:
+                torch.nn.init.normal_(p, std=0.02)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
@@ -532,6 +537,10 @@ def main(argv=None):
     ap.add_argument("--markov-rank", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=640)
     ap.add_argument("--n-prompts", type=int, default=4000)
+    ap.add_argument("--domains", default=",".join(TRAIN_DOMAINS),
+                    help="corpus domains the training prompts come from, evenly (e.g. code for a code-heavy run)")
+    ap.add_argument("--init", default=None,
+                    help="start the DSpark drafter from this checkpoint instead of random weights (fine-tuning)")
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=160)
     ap.add_argument("--gen-batch", type=int, default=256)

@@ -2,6 +2,7 @@
 import json
 import lzma
 
+import pytest
 import torch
 
 import train_heads
@@ -89,6 +90,36 @@ def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
     # the math document's prompt ends at the assistant header: anchors only inside the answer
     math_doc = train_heads.text_documents(corpus, "val_math", train_heads.Tokenizer(str(tiny_dir)), 1, 384, 0)[0]
     assert train_heads.Tokenizer(str(tiny_dir)).decode(math_doc["prompt"]).endswith("assistant\n")
+
+
+def test_domains_and_init_options(tiny_dir, tmp_path):
+    """--domains picks the prompt domains; --init fine-tunes from a checkpoint (lr 0: unchanged)."""
+    from safetensors.torch import load_file
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, d in (("chat", "<|im_start|>user\nhello there, how are you?<|im_end|>\n<|im_start|>assistant\nfine"),
+                    ("code", "def add(a, b):\n    return a + b\n" * 8)):
+        with lzma.open(corpus / f"{name}.txt.xz", "wt") as f:
+            f.write(("<|endoftext|>".join([d] * 6)) + "<|endoftext|>")
+    common = ["--target", str(tiny_dir), "--corpus", str(corpus), "--gamma", "3", "--layers", "1",
+              "--markov-rank", "8", "--intermediate", "32", "--batch", "2", "--anchors", "4", "--dflash", "off",
+              "--ckpt-every", "0"]
+    base = tmp_path / "base"
+    train_heads.main(common + ["--out", str(base), "--phases", "data,train", "--domains", "code", "--n-prompts", "4",
+                               "--gen-tokens", "8", "--gen-batch", "4", "--max-steps", "2"])
+    tok = train_heads.Tokenizer(str(tiny_dir))
+    prompts = [tok.decode(d["prompt"]) for d in json.loads((base / "data.json").read_text())]
+    assert prompts and all(p.startswith("def add") for p in prompts)
+    ft = tmp_path / "ft"
+    ft.mkdir()
+    (ft / "data.json").write_text((base / "data.json").read_text())
+    train_heads.main(common + ["--out", str(ft), "--phases", "train", "--init", str(base / "dspark"),
+                               "--max-steps", "2", "--lr", "0"])
+    a, b = load_file(str(base / "dspark" / "model.safetensors")), load_file(str(ft / "dspark" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="gamma"):            # the checkpoint's block size must match
+        train_heads.main(common + ["--gamma", "4", "--out", str(ft), "--phases", "train", "--init", str(base / "dspark"),
+                                   "--max-steps", "1"])
 
 
 def test_proxy_tau():
