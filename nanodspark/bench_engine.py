@@ -260,7 +260,7 @@ def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
 
 def profile(args) -> dict:
     from . import LLM
-    from .cost_scheduler import profile_step_cost
+    from .cost_table import profile_step_cost
     # prefix caching off, as in `bench dspark`: its block hashing is host time per step
     llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
               enable_prefix_cache=False)

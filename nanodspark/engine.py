@@ -336,7 +336,8 @@ class LLMEngine:
         return d
 
     def _make_spec(self, drafter, manager, num_blocks):
-        from .cost_scheduler import CostScheduler, CostTable
+        from .cost_scheduler import CostScheduler
+        from .cost_table import CostTable
         from .speculative import SpecDecoder
         dc, cfg = drafter.config, self.config
         cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads, dc.head_dim,

@@ -6,7 +6,7 @@ import types
 from pathlib import Path
 
 from nanodspark import bench_engine as be
-from nanodspark.cost_scheduler import CostTable
+from nanodspark.cost_table import CostTable
 
 from test_verify import make_drafter
 

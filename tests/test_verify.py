@@ -81,7 +81,7 @@ def steep_cost_table(model_dir, path):
     """A synthetic step-cost profile with a cliff: verifying more than 2.5 drafts per request
     costs 50 % more, so the cost scheduler really trims about half the windows (a flat table
     would fall back to static)."""
-    from nanodspark.cost_scheduler import CostTable
+    from nanodspark.cost_table import CostTable
     meas = {(bs, k): 1e-3 * (1 + bs) * (1.0 + 0.5 * (k > 2.5 * bs)) + 1e-6 * k for bs in (1, 8, 64, 512)
             for k in sorted({round(3 * bs * i / 12) for i in range(13)})}
     CostTable(measurements=meas, model_name=str(model_dir), dtype=str(torch.float32), device="cpu").save(path)
