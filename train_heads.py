@@ -27,7 +27,8 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    the reliability diagram (PNG).
 5. `proxy` (not in the default phases) — teacher-forced acceptance on held-out *natural* text of
    each workload (the corpus's `val_*` files): what the drafter and the target can predict on
-   that kind of text, apart from what the target's own generations look like (`text_proxy`).
+   that kind of text, apart from what the target's own generations look like
+   (`nanodspark/text_proxy.py`).
 Everything goes into `report.json`.
 """
 from __future__ import annotations
@@ -40,7 +41,6 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,12 +52,12 @@ sys.path.insert(0, str(ROOT))
 from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, save_reliability_png, survival)
-from nanodspark.drafter import Drafter, DrafterConfig, training_attention  # noqa: E402
+from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
 from nanodspark.loader import Tokenizer, load_model, resolve_model_dir  # noqa: E402
-from nanodspark.model import DenseAttentionContext  # noqa: E402
+from nanodspark.recipes.corpus import EOT  # noqa: E402
+from nanodspark.text_proxy import text_proxy  # noqa: E402
+from nanodspark.workloads import ASSISTANT_HEADER  # noqa: E402
 
-EOT = "<|endoftext|>"
-ASSISTANT = "<|im_start|>assistant\n"
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
@@ -77,8 +77,8 @@ def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> 
         with lzma.open(path, "rt", encoding="utf-8") as f:
             docs = [d for d in f.read().split(EOT) if len(d) > 80]
         for d in rng.sample(docs, min(per, len(docs))):
-            if ASSISTANT in d:
-                out.append(d[: d.index(ASSISTANT) + len(ASSISTANT)])
+            if ASSISTANT_HEADER in d:
+                out.append(d[: d.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER)])
             else:
                 cut = rng.randint(60, min(400, len(d) - 1))
                 out.append(d[:cut])
@@ -116,65 +116,6 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-@dataclass
-class BlockPass:
-    """One teacher-forced drafter pass over anchors of a padded batch (all tensors [B, A, gamma, ...]).
-
-    logits: drafter logits (Markov bias added); p_target: the target's next-token distribution
-    at each slot's position; labels: the true next tokens; prev: the true token at each slot
-    (what the teacher-forced Markov head saw); valid: the slot's label lies inside its sequence;
-    h: the drafter's hidden states (for the confidence head).
-    """
-    logits: torch.Tensor
-    p_target: torch.Tensor
-    labels: torch.Tensor
-    prev: torch.Tensor
-    valid: torch.Tensor
-    h: torch.Tensor
-
-
-def block_pass(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, device,
-               gen: torch.Generator) -> BlockPass:
-    """One target forward over the padded batch (each sequence = prompt + response), then one
-    drafter pass over `n_anchors` random anchors per sequence whose next token is a response token."""
-    cfg = drafter.config
-    B = len(seqs)
-    lens = torch.tensor([len(s["prompt"]) + len(s["response"]) for s in seqs])
-    S = int(lens.max())
-    ids = torch.zeros(B, S, dtype=torch.long)
-    anchors = torch.zeros(B, n_anchors, dtype=torch.long)
-    has = torch.zeros(B, n_anchors, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        ids[b, :lens[b]] = torch.tensor(s["prompt"] + s["response"])
-        cand = torch.arange(len(s["prompt"]) - 1, int(lens[b]) - 1)   # the next token is a response token
-        pick = cand[torch.randperm(len(cand), generator=gen)[:n_anchors]].sort().values
-        anchors[b, :len(pick)], has[b, :len(pick)] = pick, True
-    ids, anchors, has, lens = ids.to(device), anchors.to(device), has.to(device), lens.to(device)
-    flat_ids = ids.view(-1)
-    with torch.no_grad():  # padding sits after each sequence, so causal attention ignores it
-        out = target(flat_ids, torch.arange(S, device=device).repeat(B), DenseAttentionContext(B, S),
-                     capture_layers=tuple(cfg.target_layer_ids))
-    k = torch.arange(gamma, device=device)
-    row0 = (torch.arange(B, device=device) * S)[:, None, None]
-    pos = anchors[:, :, None] + k                                           # [B, A, g] slot positions
-    valid = has[:, :, None] & (pos + 1 < lens[:, None, None])              # label inside the sequence
-    rows = row0 + pos.clamp(max=S - 1)
-    labels = flat_ids[row0 + (pos + 1).clamp(max=S - 1)]
-    prev = flat_ids[rows]                                                   # teacher forcing: x_{a+k}
-    block = torch.full_like(pos, cfg.mask_token_id)
-    block[:, :, 0] = flat_ids[row0[:, :, 0] + anchors]
-    ctx = drafter.context_features([c.detach() for c in out.captured])
-    cos, sin = _rope(drafter, torch.arange(S, device=device).repeat(B), ctx.dtype)
-    kv = [layer.context_kv(ctx, cos, sin) for layer in drafter.layers]
-    attend = training_attention([kk.view(B, S, *kk.shape[1:]) for kk, _ in kv],
-                                [vv.view(B, S, *vv.shape[1:]) for _, vv in kv], anchors, gamma)
-    h = drafter.backbone(block.reshape(-1), pos.reshape(-1), attend).view(B, n_anchors, gamma, -1)
-    logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
-    with torch.no_grad():
-        p_t = torch.softmax(target.compute_logits(out.hidden[rows.reshape(-1)]), -1).view(logits.shape)
-    return BlockPass(logits, p_t, labels, prev, valid, h)
-
-
 def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors: int, alpha: dict,
                  device, gen: torch.Generator):
     """Loss of one batch of sequences (each = prompt + target response): paper Eq. 12."""
@@ -195,11 +136,6 @@ def drafter_loss(drafter: Drafter, target, seqs: list[dict], gamma: int, n_ancho
     logs.update(ce=float((ce * w).sum().detach() / total_w), l1=float((l1 * w).sum().detach() / total_w),
                 acc=float(((logits.argmax(-1) == bp.labels).float() * w).sum() / total_w))
     return (loss * w).sum() / total_w, logs
-
-
-def _rope(drafter, positions, dtype):
-    from nanodspark.model import rope_cos_sin
-    return rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, dtype)
 
 
 def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds: float, out: Path, name: str,
@@ -372,86 +308,6 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
     return res
 
 
-# Held-out natural text per workload: the corpus's validation files (GSM8K test solutions,
-# chit-chat conversations, held-out songs-poems, HumanEval solutions; Shakespeare as a fifth).
-PROXY_DOMAINS = {"math": "val_math", "chat": "val_chat", "poetry": "val_poetry", "code": "val_code",
-                 "shakespeare": "val_shakespeare"}
-PROXY_PREFIX_TOKENS = 16      # documents without an assistant turn: anchors start after this prefix
-
-
-def proxy_tau(accept: torch.Tensor) -> float:
-    """Mean over anchors of 1 + sum_k prod_{j<=k} accept[:, j]: the tokens one verify step would
-    commit if slot k were accepted with probability accept[:, k] given the previous slots were."""
-    return float((1 + accept.float().cumprod(-1).sum(-1)).mean()) if len(accept) else float("nan")
-
-
-def text_documents(corpus: Path, name: str, tok: Tokenizer, n: int, max_tokens: int, seed: int) -> list[dict]:
-    """n documents of a validation file as {prompt, response} token lists: the prompt ends at the
-    first assistant header (chat, math) or after PROXY_PREFIX_TOKENS tokens (code, poems, plays)."""
-    with lzma.open(corpus / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
-        docs = [d for d in f.read().split(EOT) if len(d.strip()) > 80]
-    out = []
-    for d in random.Random(seed).sample(docs, min(n, len(docs))):
-        if ASSISTANT in d:
-            cut = d.index(ASSISTANT) + len(ASSISTANT)
-            prompt, response = tok.encode(d[:cut]), tok.encode(d[cut:])
-        else:
-            ids = tok.encode(d)
-            prompt, response = ids[:PROXY_PREFIX_TOKENS], ids[PROXY_PREFIX_TOKENS:]
-        response = response[:max(0, max_tokens - len(prompt))]
-        if len(response) > 8:
-            out.append({"prompt": prompt, "response": response})
-    return out
-
-
-@torch.no_grad()
-def text_proxy(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
-    """Teacher-forced acceptance on held-out natural text, per workload (no generation).
-
-    For random anchors of each document, the drafter proposes a block from the true prefix (the
-    Markov head sees the true previous tokens) and is compared with the target's next-token
-    distribution at the same true prefix: alpha_k = sum_v min(p_draft, p_target) = 1 - L1/2 is
-    the acceptance probability of slot k at T = 1, greedy_k = [argmax p_draft == argmax
-    p_target] at T = 0. tau = proxy_tau(per-anchor values). This isolates what the drafter
-    and the target can predict on each kind of text from what the target's own generations
-    look like (a small target repeats itself: chapter 09 §4)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_model(args.target, dtype=torch.float32, device=device)
-    corpus = Path(args.corpus)
-    docs = {wl: text_documents(corpus, f, tok, args.proxy_n, args.proxy_tokens, args.seed)
-            for wl, f in PROXY_DOMAINS.items() if (corpus / f"{f}.txt.xz").exists()}
-    if not docs:
-        raise FileNotFoundError(f"no validation text (val_*.txt.xz) in {corpus}: build the corpus first "
-                                "(python -m nanodspark.recipes.default_model corpus)")
-    res: dict = {"documents": {wl: len(d) for wl, d in docs.items()}, "max_tokens": args.proxy_tokens}
-    for name, ddir in drafter_dirs.items():
-        drafter = Drafter.load(ddir, target, device=device).eval()
-        g = drafter.config.gamma
-        for wl, seqs in docs.items():
-            gen = torch.Generator().manual_seed(args.seed)
-            alpha, greedy, top1, nll = [], [], [], []
-            for i in range(0, len(seqs), 16):
-                bp = block_pass(drafter, target, seqs[i:i + 16], g, args.anchors, device, gen)
-                full = bp.valid.all(-1)                       # anchors whose whole block is inside the text
-                p_d = torch.softmax(bp.logits[full], -1)
-                p_t = bp.p_target[full]
-                alpha.append((1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1).cpu())
-                greedy.append((p_d.argmax(-1) == p_t.argmax(-1)).cpu())
-                top1.append(p_t.max(-1).values.cpu())
-                nll.append(-p_t.gather(-1, bp.labels[full][..., None]).squeeze(-1).clamp_min(1e-12).log().cpu())
-            a, gr = torch.cat(alpha), torch.cat(greedy)
-            res.setdefault(name, {})[wl] = {
-                "anchors": len(a), "tau_T0": round(proxy_tau(gr), 4), "tau_T1": round(proxy_tau(a), 4),
-                "greedy_by_position": [round(float(x), 4) for x in gr.float().mean(0)],
-                "alpha_by_position": [round(float(x), 4) for x in a.mean(0)],
-                "target_top1_prob": round(float(torch.cat(top1).mean()), 4),
-                "target_nll": round(float(torch.cat(nll).mean()), 4)}
-            r = res[name][wl]
-            print(f"proxy {name} {wl}: tau T=0 {r['tau_T0']} T=1 {r['tau_T1']} "
-                  f"(target top-1 prob {r['target_top1_prob']}, nll {r['target_nll']})", flush=True)
-    return res
-
-
 RECORD_KEYS = ("z", "labels", "valid", "groups")
 
 
@@ -620,7 +476,8 @@ def main(argv=None):
         report["tau"] = evaluate(args, trained, tok)
         save_report(out, report)
     if "proxy" in phases:
-        report["text_proxy"] = text_proxy(args, trained, tok)
+        report["text_proxy"] = text_proxy(args.target, trained, tok, args.corpus, args.proxy_n, args.proxy_tokens,
+                                          args.anchors, args.seed)
     report["seconds"] = round(time.time() - t0, 1)
     merged = save_report(out, report)
     print_summary(merged)

@@ -62,6 +62,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # ChatML: the one chat format of the project (training corpus, tokenizer template, prompts)
 # --------------------------------------------------------------------------------------
 
+ASSISTANT_HEADER = "<|im_start|>assistant\n"    # what the model's answer follows
+
+
 def format_chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
     """Render chat messages as ChatML text.
 
@@ -71,7 +74,7 @@ def format_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     """
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
+        parts.append(ASSISTANT_HEADER)
     return "".join(parts)
 
 

@@ -66,32 +66,6 @@ def test_two_step_training_writes_a_loadable_drafter(tiny_dir, tmp_path):
     assert refit["temperatures"] == cal["plain"]["temperatures"] and refit["shifts"] is None
 
 
-def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = {"val_math": "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n"
-                        "Two plus two is four. Four is the answer, so the answer is four.",
-            "val_poetry": "The sea is calm tonight,\nthe tide is full, the moon lies fair\n" * 3}
-    for name, d in docs.items():
-        with lzma.open(corpus / f"{name}.txt.xz", "wt") as f:
-            f.write(("<|endoftext|>".join([d] * 3)) + "<|endoftext|>")
-    target = load_model(tiny_dir)
-    from nanodspark.drafter import DrafterConfig
-    cfg = DrafterConfig.for_target(target.config, gamma=3, num_layers=1, intermediate_size=32, markov_rank=8)
-    Drafter(cfg, target.model.embed_tokens, target.lm_head).save(tmp_path / "run" / "dspark")
-    rep = train_heads.main(["--target", str(tiny_dir), "--corpus", str(corpus), "--out", str(tmp_path / "run"),
-                            "--phases", "proxy", "--proxy-n", "2", "--anchors", "4"])["text_proxy"]
-    assert rep["documents"] == {"math": 2, "poetry": 2}
-    for wl in ("math", "poetry"):
-        r = rep["dspark"][wl]
-        assert r["anchors"] > 0 and len(r["alpha_by_position"]) == len(r["greedy_by_position"]) == 3
-        assert all(0 <= a <= 1 for a in r["alpha_by_position"] + r["greedy_by_position"])
-        assert 1 <= r["tau_T0"] <= 4 and 1 <= r["tau_T1"] <= 4 and 0 < r["target_top1_prob"] <= 1
-    # the math document's prompt ends at the assistant header: anchors only inside the answer
-    math_doc = train_heads.text_documents(corpus, "val_math", train_heads.Tokenizer(str(tiny_dir)), 1, 384, 0)[0]
-    assert train_heads.Tokenizer(str(tiny_dir)).decode(math_doc["prompt"]).endswith("assistant\n")
-
-
 def test_domains_and_init_options(tiny_dir, tmp_path):
     """--domains picks the prompt domains; --init fine-tunes from a checkpoint (lr 0: unchanged)."""
     from safetensors.torch import load_file
@@ -120,12 +94,6 @@ def test_domains_and_init_options(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="gamma"):            # the checkpoint's block size must match
         train_heads.main(common + ["--gamma", "4", "--out", str(ft), "--phases", "train", "--init", str(base / "dspark"),
                                    "--max-steps", "1"])
-
-
-def test_proxy_tau():
-    # 1 + sum of prefix products, averaged over anchors
-    assert train_heads.proxy_tau(torch.tensor([[1, 1, 0], [1, 0, 1]])) == 2.5
-    assert abs(train_heads.proxy_tau(torch.tensor([[0.5, 0.5, 0.5]])) - 1.875) < 1e-6
 
 
 def test_repeated_ngram_fraction():

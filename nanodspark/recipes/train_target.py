@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..loader import save_model
 from ..model import CausalLM, DenseAttentionContext, MoE
+from .corpus import EOT
 
-EOT = "<|endoftext|>"
 # Share of training sequences drawn from each domain (code from this machine's Python sources).
 MIXTURE = {"code": 0.30, "docs": 0.14, "chat": 0.22, "math": 0.16, "literature": 0.12, "dict": 0.06}
 VAL_DOMAINS = ("math", "chat", "poetry", "code", "shakespeare")

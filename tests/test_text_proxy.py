@@ -1,0 +1,40 @@
+"""The natural-text proxy (nanodspark/text_proxy.py), run as train_heads.py's `proxy` phase."""
+import lzma
+
+import torch
+
+import train_heads
+from nanodspark.drafter import Drafter, DrafterConfig
+from nanodspark.loader import Tokenizer, load_model
+from nanodspark.text_proxy import proxy_tau, text_documents
+
+
+def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = {"val_math": "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n"
+                        "Two plus two is four. Four is the answer, so the answer is four.",
+            "val_poetry": "The sea is calm tonight,\nthe tide is full, the moon lies fair\n" * 3}
+    for name, d in docs.items():
+        with lzma.open(corpus / f"{name}.txt.xz", "wt") as f:
+            f.write(("<|endoftext|>".join([d] * 3)) + "<|endoftext|>")
+    target = load_model(tiny_dir)
+    cfg = DrafterConfig.for_target(target.config, gamma=3, num_layers=1, intermediate_size=32, markov_rank=8)
+    Drafter(cfg, target.model.embed_tokens, target.lm_head).save(tmp_path / "run" / "dspark")
+    rep = train_heads.main(["--target", str(tiny_dir), "--corpus", str(corpus), "--out", str(tmp_path / "run"),
+                            "--phases", "proxy", "--proxy-n", "2", "--anchors", "4"])["text_proxy"]
+    assert rep["documents"] == {"math": 2, "poetry": 2}
+    for wl in ("math", "poetry"):
+        r = rep["dspark"][wl]
+        assert r["anchors"] > 0 and len(r["alpha_by_position"]) == len(r["greedy_by_position"]) == 3
+        assert all(0 <= a <= 1 for a in r["alpha_by_position"] + r["greedy_by_position"])
+        assert 1 <= r["tau_T0"] <= 4 and 1 <= r["tau_T1"] <= 4 and 0 < r["target_top1_prob"] <= 1
+    # the math document's prompt ends at the assistant header: anchors only inside the answer
+    math_doc = text_documents(corpus, "val_math", Tokenizer(str(tiny_dir)), 1, 384, 0)[0]
+    assert Tokenizer(str(tiny_dir)).decode(math_doc["prompt"]).endswith("assistant\n")
+
+
+def test_proxy_tau():
+    # 1 + sum of prefix products, averaged over anchors
+    assert proxy_tau(torch.tensor([[1, 1, 0], [1, 0, 1]])) == 2.5
+    assert abs(proxy_tau(torch.tensor([[0.5, 0.5, 0.5]])) - 1.875) < 1e-6
