@@ -203,7 +203,6 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
 
     def rebuild(bs: int) -> None:
         """Abort the batch and prefill bs fresh requests (untimed, kept out of the phase clock)."""
-        clock = (dict(eng.clock.total), eng.clock.steps)
         for rid in state["ids"]:
             eng.abort(rid)
         eng.config.max_num_seqs = max(eng.config.max_num_seqs, bs)
@@ -211,9 +210,9 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         state["ids"], state["reqs"] = [r.request_id for r in reqs], reqs
         spec.window_fn = lambda reqs, draft: [spec.gamma] * len(reqs)
         sched = eng.scheduler
-        while any(not r.is_decoding for r in sched.running) or sched.waiting:
-            eng.step()
-        eng.clock.total, eng.clock.steps = clock
+        with eng.clock.paused():
+            while any(not r.is_decoding for r in sched.running) or sched.waiting:
+                eng.step()
 
     def prepare(bs: int, k: int) -> None:
         if state["bs"] != bs:                # a new batch size: close the previous one's phases

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -278,6 +279,15 @@ class PhaseClock:
 
     def reset(self) -> None:
         self.total, self.steps = {}, 0
+
+    @contextmanager
+    def paused(self):
+        """Steps run inside leave the totals as they were (a benchmark's untimed set-up)."""
+        saved = (dict(self.total), self.steps)
+        try:
+            yield
+        finally:
+            self.total, self.steps = saved
 
     def per_step_ms(self) -> dict[str, float]:
         return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.total.items()}
