@@ -32,6 +32,7 @@ from enum import Enum
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .detokenizer import detokenize
 from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache
 from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
@@ -65,9 +66,6 @@ class SpecStats:
         return d
 
 
-DETOKENIZE_MAX_HOLD = 64   # tokens the detokenizer may hold back waiting for a character to complete
-
-
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -83,7 +81,7 @@ class Request:
     kv_start: int = 0
     text: str = ""                        # decoded output so far (= decode(output_ids[:detok_read]))
     emitted: int = 0                      # characters of `text` already streamed
-    detok_prefix: int = 0                 # incremental detokenizer: the decode window starts here
+    detok_prefix: int = 0                 # incremental detokenizer (detokenizer.py): the decode window starts here
     detok_read: int = 0                   # ... and `text` covers output_ids[:detok_read]
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.monotonic)
@@ -498,7 +496,7 @@ class LLMEngine:
             else:
                 if bm.enable_prefix_cache:             # (building the id list is O(length))
                     bm.commit(t, req.all_ids[:req.num_computed])
-        delta, stop_hit = self._detokenize(req, accepted, final=reason is not None)
+        delta, stop_hit = detokenize(self.tokenizer, req, accepted, final=reason is not None)
         if stop_hit:
             reason = "stop"
         if reason:
@@ -507,40 +505,6 @@ class LLMEngine:
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict())
-
-    def _detokenize(self, req: Request, new_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Extend req.text with the new tokens and return (text to stream now, stop string hit).
-
-        Incremental: decoding the whole output every step costs O(length) per request per step
-        (at 256 requests of ~600 tokens, ~30 ms of a step). Only a window is decoded, from the
-        previous boundary on, twice (without and with the new tokens); the difference is the
-        new text. Both decodes start at the same token, so whatever the decoder does at the
-        window's start cancels out. The boundary only moves when the window does not end in an
-        incomplete UTF-8 sequence ("\ufffd"), so text is never cut inside a character.
-        """
-        if self.tokenizer is None or not new_ids:
-            return "", False
-        ids, decode = req.output_ids, self.tokenizer.decode
-        window = decode(ids[req.detok_prefix:])
-        # else wait for the rest of the character; bounded, so that a model emitting invalid
-        # UTF-8 for ever cannot make the window (and each step's decode) grow without limit
-        if final or not window.endswith("\ufffd") or len(ids) - req.detok_read > DETOKENIZE_MAX_HOLD:
-            old = decode(ids[req.detok_prefix:req.detok_read])
-            req.text += window[len(old):]
-            req.detok_prefix, req.detok_read = req.detok_read, len(ids)
-        text, stops = req.text, req.params.stop
-        hit = False
-        if stops:
-            # earlier text was searched on earlier steps: look only where a new match can start
-            start = max(0, req.emitted - max(len(s) for s in stops))
-            idx = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
-            if idx >= 0:
-                text, hit, final = text[:idx], True, True
-                req.text = text
-        hold = 0 if final else max([len(s) - 1 for s in stops] + [0])
-        upto = max(req.emitted, len(text) - hold)
-        delta, req.emitted = text[req.emitted:upto], upto
-        return delta, hit
 
     def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "") -> RequestOutput:
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.monotonic()

@@ -205,11 +205,10 @@ def test_incremental_detokenizer_equals_a_full_decode():
     """Streaming pieces decoded window by window add up to decode(all tokens), also when a
     token splits a multi-byte character; stop strings cut where a full-text search would."""
     import random
-    from types import SimpleNamespace
-    from nanodspark.engine import LLMEngine, Request
+    from nanodspark.detokenizer import detokenize
+    from nanodspark.engine import Request
     from nanodspark.loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(None))
-    eng = SimpleNamespace(tokenizer=tok)
     rng = random.Random(0)
     text = "Tea ☕ and 日本語 café — naïve 🙂👍🏽 résumé.\n\nDone: ∑ x² ≥ 0.\n"
     cases = [tok.encode(text * 3)] + [[rng.randrange(13, 8192) for _ in range(60)] for _ in range(20)]
@@ -221,7 +220,7 @@ def test_incremental_detokenizer_equals_a_full_decode():
                 n = rng.randint(1, 6)
                 new, i = ids[i:i + n], min(len(ids), i + n)
                 req.output_ids += new
-                piece, hit = LLMEngine._detokenize(eng, req, new, final=i == len(ids))
+                piece, hit = detokenize(tok, req, new, final=i == len(ids))
                 assert "\ufffd" not in piece or i == len(ids) or tok.decode(ids[:i]).count("\ufffd")
                 pieces.append(piece)
             full = tok.decode(ids)
@@ -251,8 +250,8 @@ def test_scheduler_knobs_live_in_engine_config():
 
 def test_detokenizer_hold_is_bounded_for_invalid_utf8():
     """A stream that never completes a character cannot make the decode window grow for ever."""
-    from types import SimpleNamespace
-    from nanodspark.engine import DETOKENIZE_MAX_HOLD, LLMEngine, Request
+    from nanodspark.detokenizer import DETOKENIZE_MAX_HOLD, detokenize
+    from nanodspark.engine import Request
     from nanodspark.loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(None))
     lead = next(i for i in range(13, 8192) if tok.decode([i]) == "\ufffd")   # e.g. a lone lead byte
@@ -260,6 +259,6 @@ def test_detokenizer_hold_is_bounded_for_invalid_utf8():
     widest = 0
     for _ in range(3 * DETOKENIZE_MAX_HOLD):
         req.output_ids.append(lead)
-        LLMEngine._detokenize(SimpleNamespace(tokenizer=tok), req, [lead], final=False)
+        detokenize(tok, req, [lead], final=False)
         widest = max(widest, len(req.output_ids) - req.detok_prefix)
     assert req.detok_read > 0 and widest <= 2 * DETOKENIZE_MAX_HOLD + 2
