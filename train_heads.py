@@ -391,6 +391,8 @@ def main(argv=None):
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--markov-rank", type=int, default=64)
+    ap.add_argument("--target-layers", default="",
+                    help="comma-separated target layers the drafter reads (default: about n/4, n/2, n-2)")
     ap.add_argument("--intermediate", type=int, default=640)
     ap.add_argument("--n-prompts", type=int, default=4000)
     ap.add_argument("--domains", default=",".join(TRAIN_DOMAINS),
@@ -454,6 +456,11 @@ def main(argv=None):
         target = load_model(args.target, dtype=torch.float32, device=device)
         base = dict(gamma=args.gamma, num_layers=args.layers, intermediate_size=args.intermediate,
                     mask_token_id=tok.tok.token_to_id("<|pad|>") or 0)
+        if args.target_layers:
+            base["target_layer_ids"] = sorted({int(x) for x in args.target_layers.split(",")})
+            if not all(0 <= i < target.config.num_hidden_layers - 1 for i in base["target_layer_ids"]):
+                raise SystemExit(f"--target-layers must be in 0..{target.config.num_hidden_layers - 2} "
+                                 "(the last layer feeds the logits, not the drafter)")
         dcfg = DrafterConfig.for_target(target.config, markov_rank=args.markov_rank, **base)
         d, curve = train_drafter(args, target, data, dcfg, LOSS_ALPHA, args.seconds, dirs["dspark"], "dspark")
         report["dspark"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,

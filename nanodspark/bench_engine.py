@@ -170,7 +170,7 @@ DEFAULT_CONTEXT_SLACK = 16   # tokens a profiled request may grow past its promp
 
 
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
-                      context_slack: int = DEFAULT_CONTEXT_SLACK):
+                      context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`SpecDecoder.window_fn` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
@@ -182,9 +182,12 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     (Without that, the context grew by ~600 tokens over bs 256's grid and the step time with it,
     round after round: 46 ms in the first round, 110 ms in the last, on the H200.)
 
-    Real prompts make the steps look like traffic: drafts are accepted (random tokens reject
-    nearly every draft, so every step rolls back nearly every KV slot it wrote) and requests
-    have different lengths (random prompts all cross a KV block boundary on the same step)."""
+    Real prompts make the steps look like traffic: requests have different lengths (random
+    prompts all cross a KV block boundary on the same step) and the drafter sees real text.
+    Unless `commit_drafts`, no draft is committed (`SpecDecoder.accept_cap = 0`): every step
+    then commits one token per request at every K, so the table holds the cost of *verifying*
+    K tokens and not the per-token work of committing more of them, which the scheduler must
+    not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
     import random
     from .sampling import SamplingParams
     eng, spec = llm.engine, llm.engine.spec
@@ -228,6 +231,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     def run_step(bs: int, k: int) -> None:
         if state["bs"] != bs:
             prepare(bs, k)
+        spec.accept_cap = None if commit_drafts else 0
         spec.window_fn = lambda reqs, draft: [k // len(reqs) + (1 if r < k % len(reqs) else 0)
                                               for r in range(len(reqs))]
         eng.step()
@@ -238,7 +242,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
-        spec.window_fn = None
+        spec.window_fn, spec.accept_cap = None, None
     run_step.close = close
     run_step.phases = phases
     run_step.prepare = prepare
@@ -259,7 +263,7 @@ def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
 
 def profile(args) -> dict:
     from . import LLM
-    from .cost_table import profile_step_cost
+    from .cost_table import DEFAULT_TREND_Z, profile_step_cost
     # prefix caching off, as in `bench dspark`: its block hashing is host time per step
     llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
               enable_prefix_cache=False)
@@ -272,7 +276,8 @@ def profile(args) -> dict:
         if getattr(args, "prompts", "random") == "mix":
             ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
             prompts = [llm.tokenizer.encode(p.render()) for p in ps]
-        runner = whole_step_runner(llm, args.context, prompts)
+        runner = whole_step_runner(llm, args.context, prompts,
+                                   commit_drafts=getattr(args, "acceptance", "none") == "traffic")
     else:
         runner = engine_step_runner(llm, args.context)
     try:
@@ -280,11 +285,14 @@ def profile(args) -> dict:
                                   lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
                                   estimator=getattr(args, "estimator", "rounds"),
+                                  trend_z_min=None if getattr(args, "no_trend_gate", False)
+                                  else getattr(args, "trend_z", DEFAULT_TREND_Z),
                                   model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
-    table.notes = {"context": args.context, "scope": args.scope, "repeats": args.repeats, "prefix_cache": False,
+    table.notes = {**table.notes, "context": args.context, "scope": args.scope, "repeats": args.repeats,
+                   "prefix_cache": False, "acceptance": getattr(args, "acceptance", "none") if args.scope == "whole" else None,
                    "prompts": getattr(args, "prompts", "random"),
                    "monotone": getattr(args, "monotone", "isotonic"),
                    "estimator": getattr(args, "estimator", "rounds"),
@@ -437,6 +445,14 @@ def add_profile_args(p) -> None:
     p.add_argument("--estimator", choices=("rounds", "median"), default="rounds",
                    help="cost per point: median over rounds with each round's level removed "
                         "(robust to slow stretches of the machine) or the plain median")
+    p.add_argument("--trend-z", type=float, default=1.645,
+                   help="flatten a batch size whose step time does not rise with K at this Mann-Kendall z "
+                        "(1.645: one-sided 5 %%)")
+    p.add_argument("--no-trend-gate", action="store_true", help="keep every batch size's slope, significant or not")
+    p.add_argument("--acceptance", choices=("none", "traffic"), default="none",
+                   help="--scope whole: commit no draft while profiling, so every K commits one token per "
+                        "request (none), or commit what the target accepts (traffic; counts per-token work as "
+                        "verify cost)")
     p.add_argument("--monotone", choices=("isotonic", "max"), default="isotonic",
                    help="how noisy medians are made non-decreasing in K: least-squares isotonic fit "
                         "(a stalled point becomes a small step) or running maximum (a cliff)")

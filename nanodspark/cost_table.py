@@ -11,7 +11,10 @@ The idea
     uses it to keep the context length fixed). A round is a block: the cost per point is the
     median over rounds after each round's level is removed (`round_adjusted`), because the
     machine has slow stretches that last about a round. `force_monotone` then makes the table
-    non-decreasing in K (least-squares isotonic fit by default). `CostTable` keeps the table,
+    non-decreasing in K (least-squares isotonic fit by default). Last, `gate_by_trend` asks of
+    each batch size whether its timings rise with K at all beyond their noise (a Mann-Kendall
+    trend test over every timed step, `trend_z`); where they do not, the row is made flat, so
+    the scheduler never trims on a slope that the profile cannot tell from noise. `CostTable` keeps the table,
     the per-point estimates before forcing (`raw`) and every timed step (`samples`), and is
     what the scheduler reads: the staircase itself (ceiling lookup in K, linear in bs at the
     same drafts per request). The additive model T = bias + alpha(bs) + theta(M) is fitted
@@ -21,12 +24,14 @@ Invariants
     * The table read by the scheduler is non-decreasing in K at every measured batch size.
     * Nothing is forced across batch sizes (the scheduler compares steps of one bs only).
     * A table is keyed by model, dtype, device and graph tiers; it says nothing about others.
+    * A batch size whose trend z is below `trend_z_min` has one cost at every K (flat).
 
 Defaults (the one place they are written down; every function takes them as parameters)
     DEFAULT_REPEATS = 5          timed rounds per batch size in `profile_step_cost`
     DEFAULT_WARMUP = 1           untimed rounds over a batch size's K grid before the timed ones
     DEFAULT_SETTLE = 1           untimed steps of the same (bs, K) right before each timed one
     DEFAULT_FLAT_REL_TOL = 0.01  a table is flat if T(bs, K) varies by < 1 % over K at every bs
+    DEFAULT_TREND_Z = 1.645      one-sided 5 %: the z a batch size's rise with K must reach
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 1
 DEFAULT_SETTLE = 1
 DEFAULT_FLAT_REL_TOL = 0.01
+DEFAULT_TREND_Z = 1.645
 
 
 def _basis(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -322,12 +328,65 @@ def round_adjusted(samples_by_k: Sequence[Sequence[float]], iterations: int = 3)
     estimate mu_k and rho_r robustly, rho centred on the typical round; returns exp(mu_k).
     """
     L = np.log(np.maximum(np.asarray(samples_by_k, dtype=np.float64), 1e-12))   # a 0 s timing stays finite
+    rho = _round_levels(L, iterations)
+    return np.exp(np.median(L - rho[None, :], axis=1)).tolist()
+
+
+def _round_levels(L: np.ndarray, iterations: int = 3) -> np.ndarray:
+    """Median polish of log timings L [K, rounds]: each round's level rho [rounds], centred."""
     rho = np.zeros(L.shape[1])
     for _ in range(iterations):
         mu = np.median(L - rho[None, :], axis=1)
         rho = np.median(L - mu[:, None], axis=0)
         rho -= np.median(rho)
-    return np.exp(np.median(L - rho[None, :], axis=1)).tolist()
+    return rho
+
+
+def trend_z(ks: Sequence[int], samples_by_k: Sequence[Sequence[float]]) -> float:
+    """Mann-Kendall z of step time rising with K, over every timed step of one batch size.
+
+    samples_by_k[i][r]: round r's timing at K = ks[i] (the profiler's [K, rounds] grid); each
+    round's level is removed first (`_round_levels`). S counts, over all pairs of timings at
+    different K, +1 where the larger K took longer and -1 where it was quicker; z = (S - sign
+    S) / sd(S), with sd corrected for the ties in K. Rank-based, so a bimodal machine (on the
+    H200, steps of one shape near 30 or near 47 ms) moves it no more than any other outlier.
+    z > 1.645: a rise at the one-sided 5 % level.
+    """
+    L = np.log(np.maximum(np.asarray(samples_by_k, dtype=np.float64), 1e-12))
+    if L.ndim != 2 or L.shape[0] < 2:
+        return 0.0
+    y = (L - _round_levels(L)[None, :]).reshape(-1)
+    x = np.repeat(np.asarray(ks, dtype=np.float64), L.shape[1])
+    s = float(np.sum(np.triu(np.sign(x[None, :] - x[:, None]) * np.sign(y[None, :] - y[:, None]), 1)))
+    n = x.size
+    t = np.unique(x, return_counts=True)[1]
+    var = (n * (n - 1) * (2 * n + 5) - np.sum(t * (t - 1) * (2 * t + 5))) / 18.0
+    return 0.0 if var <= 0 or s == 0 else (s - np.sign(s)) / float(np.sqrt(var))
+
+
+def gate_by_trend(table: "CostTable", z_min: float = DEFAULT_TREND_Z) -> dict[int, float]:
+    """Flatten (in place) every batch size of `table` whose timings do not rise with K at
+    z >= z_min; returns {bs: z}. A flattened row takes the median of its per-K estimates at
+    every K, so predicted step times keep their level. Needs `table.samples` (rows without
+    them, or with one round, are left as they are). Records z and the flattened batch sizes in
+    `table.notes` and refits the additive model."""
+    rows: dict[int, list[int]] = {}
+    for b, k in sorted(table.samples):
+        rows.setdefault(b, []).append(k)
+    zs: dict[int, float] = {}
+    for b, ks in rows.items():
+        grid = [table.samples[(b, k)] for k in ks]
+        if len({len(g) for g in grid}) != 1 or len(grid[0]) < 2:
+            continue
+        zs[b] = float(trend_z(ks, grid))
+        if zs[b] < z_min:
+            level = float(np.median([table.raw.get((b, k), table.measurements[(b, k)]) for k in ks]))
+            table.measurements.update({(b, k): level for k in ks})
+    table.measurements = dict(table.measurements)          # a new dict: drops the curve cache
+    table.notes = {**table.notes, "trend_z_min": z_min, "trend_z": {str(b): round(z, 2) for b, z in zs.items()},
+                   "flattened": [b for b, z in zs.items() if z < z_min]}
+    table.fit_additive()
+    return zs
 
 
 def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequence[int],
@@ -336,10 +395,12 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
                       warmup: int = DEFAULT_WARMUP, model_name: str = "", dtype: str = "",
                       device: str = "", graph_tiers: Sequence[int] = (), verbose: bool = True,
                       settle: int = DEFAULT_SETTLE, shuffle: bool = True,
-                      monotone: str = "isotonic", estimator: str = "rounds") -> CostTable:
+                      monotone: str = "isotonic", estimator: str = "rounds",
+                      trend_z_min: float | None = DEFAULT_TREND_Z) -> CostTable:
     """Time run_step(bs, K) on a (bs, K) staircase; a cost per point (`estimator`: "rounds" =
     `round_adjusted`, each round's level removed; "median" = plain median of the repeats), forced
-    monotone (`force_monotone` with `monotone` as its method), additive fit.
+    monotone (`force_monotone` with `monotone` as its method), batch sizes without a significant
+    rise flattened (`gate_by_trend` at `trend_z_min`; None: not gated), additive fit.
 
     run_step must *execute* a verify step with exactly bs anchors and K extra tokens and block
     until it has finished (e.g. end with torch.cuda.synchronize()), otherwise the timer measures
@@ -385,6 +446,11 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
             raw.update(zip([(b, k) for k in ks[b]], round_adjusted([times[(b, k)] for k in ks[b]])))
     table = CostTable(force_monotone(raw, monotone), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
     table.fit_additive()
+    if trend_z_min is not None and repeats > 1:
+        zs = gate_by_trend(table, trend_z_min)
+        if verbose:
+            print("trend z by bs (flat below %.2f): " % trend_z_min
+                  + " ".join(f"{b}: {z:.2f}" for b, z in zs.items()))
     if verbose:
         print(table.format_fit())
     return table

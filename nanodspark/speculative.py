@@ -26,7 +26,7 @@ from .drafter import Draft, Drafter
 from .paged_kv import BlockManager
 from .runner import Chunk
 from .sampling import sample_tokens, target_probs
-from .verify import BlockAcceptEstimator, verify_block, verify_greedy
+from .verify import BlockAcceptEstimator, VerifyResult, verify_block, verify_greedy
 
 
 @dataclass
@@ -48,6 +48,13 @@ class SpecDecoder:
         self.capture = tuple(drafter.config.target_layer_ids)
         self.scheduler = cost_scheduler or CostScheduler(self.gamma, max_slots, mode="static")
         self.window_fn = None          # tests may force windows: fn(requests, draft) -> list[int]
+        # The step-cost profile sets 0: greedy rows then commit no draft (only the target's own
+        # token), so every profiled step commits one token per request whatever its K, and the
+        # table holds what *verifying* costs. Work per committed token (injection, detokenizing,
+        # stop checks) is left out on purpose: it adds c * E to a step of E tokens, and
+        # argmax E / (T + c E) = argmax E / T, so it cannot change the best budget, while a table
+        # that counted it would credit trimming with the savings of committing fewer tokens.
+        self.accept_cap: int | None = None
         self.slots: dict[str, tuple[int, int]] = {}   # request id -> (slot, generation)
         self.free_slots = list(range(max_slots))[::-1]
         self.generation = [0] * max_slots
@@ -152,7 +159,12 @@ class SpecDecoder:
             n_ver = limits[i]
             if r.params.greedy:
                 vr = verify_greedy(drafts[i][:n_ver], argmax[lo:hi], wins[i], self.mode)
+                if self.accept_cap is not None and vr.accepted > self.accept_cap:
+                    m = self.accept_cap       # the target's own token at the cap, as a rejection there
+                    vr = VerifyResult(drafts[i][:m] + [argmax[lo + m]], m, vr.ceiling)
             else:
+                if self.accept_cap is not None:
+                    raise ValueError("accept_cap (step-cost profiling) supports greedy requests only")
                 probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
                 vr = verify_block(draft.tokens[i, :n_ver], probs, draft.probs[i, :n_ver], wins[i], self.mode,
                                   False, r.generator)

@@ -101,10 +101,11 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
             run(bs, k)
             assert len(running) == bs and all(r.is_decoding for r in running)
             assert sum(r.spec.verified for r in running) - before == k
+        assert sum(r.spec.accepted for r in running) == 0      # no draft committed: acceptance held fixed
     run.close()
     # host time per phase of each batch size's steps (prefill excluded): what the table measured
     assert set(run.phases) == {3, 1} and all({"draft", "forward", "verify"} <= set(p) for p in run.phases.values())
-    assert not eng.has_unfinished() and spec.window_fn is None
+    assert not eng.has_unfinished() and spec.window_fn is None and spec.accept_cap is None
     assert all(u["used"] == 0 for u in eng.kv_usage().values())
     # real prompts (cycled, cut to their last context_len tokens) instead of random tokens
     prompts = [list(range(3, 40)), [7, 8, 9]]
@@ -130,6 +131,29 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     assert eng.clock.steps == steps and run.state["rebuilds"] >= 1
     run.close()
     assert not eng.has_unfinished() and all(u["used"] == 0 for u in eng.kv_usage().values())
+
+
+def test_whole_step_profile_holds_acceptance_fixed(tiny_dir, tmp_path):
+    """With a drafter whose every draft the target accepts, the profile still commits one token
+    per request per step (the table prices verifying, not committing); `commit_drafts=True`
+    (`--acceptance traffic`) commits them."""
+    from nanodspark import LLM
+    from test_verify import OracleSpec
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=2, kv_cache_memory_gb=0.05)
+    spec, running = llm.engine.spec, llm.engine.scheduler.running
+    spec.mode, spec.__class__, spec.oracle = "compact", OracleSpec, llm.engine.model
+    for commit, want in ((False, 0), (True, 3 * 2 * spec.gamma)):
+        run = be.whole_step_runner(llm, context_len=20, prompts=[list(range(3, 40))], commit_drafts=commit)
+        run.prepare(2, 0)
+        for _ in range(3):
+            run(2, 2 * spec.gamma)
+        assert sum(r.spec.accepted for r in running) == want
+        assert all(len(r.output_ids) == 1 + 3 + want // 2 for r in running)   # prefill token + 3 steps
+        run.close()
+    assert spec.accept_cap is None and not llm.engine.has_unfinished()
 
 
 def test_profile_k_grid_is_dense_and_ends_at_full_blocks():

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from nanodspark.cost_table import CostTable, force_monotone, profile_step_cost, round_adjusted
+from nanodspark.cost_table import (CostTable, force_monotone, gate_by_trend, profile_step_cost, round_adjusted,
+                                   trend_z)
 
 
 BIAS = 1e-3
@@ -174,3 +175,65 @@ def test_profile_step_cost_with_a_fake_clock(capsys):
     assert back.samples == table.samples and back.raw == table.raw   # every timed step is kept
     assert table.measurements[(2, 4)] == pytest.approx(BIAS + alpha_true(2) + theta_true(6), abs=1e-9)
     assert table.additive is not None and table.model_name == "fake"
+
+
+def test_trend_z_by_hand_and_its_sign():
+    # ks 0, 1; two rounds; no round effect. Pairs at different K: 4, all concordant, so S = 4;
+    # n = 4 with two ties of 2 in K: var = (4*3*13 - 2*(2*1*9)) / 18 = 20/3; z = (4 - 1) / sqrt(20/3)
+    assert trend_z([0, 1], [[1.0, 1.0], [2.0, 2.0]]) == pytest.approx(3 / np.sqrt(20 / 3))
+    assert trend_z([0, 1], [[2.0, 2.0], [1.0, 1.0]]) == pytest.approx(-3 / np.sqrt(20 / 3))
+    assert trend_z([0, 1], [[1.0, 1.0], [1.0, 1.0]]) == 0.0
+    # a slow round (every K of round 1 twice as slow) is removed before ranking
+    assert trend_z([0, 1, 2], [[1.0, 2.0], [1.1, 2.2], [1.2, 2.4]]) == pytest.approx(
+        trend_z([0, 1, 2], [[1.0, 1.0], [1.1, 1.1], [1.2, 1.2]]))
+
+
+def bimodal_profile(slope, seed, ks=tuple(range(0, 1281, 160)), rounds=7):
+    """Timings like the H200's at bs 256: each step near 30 ms or near 47 ms at random, times
+    (1 + slope * K / K_max)."""
+    rng = np.random.default_rng(seed)
+    return {(256, k): [(30e-3 if rng.random() < 0.5 else 47e-3) * (1 + slope * k / ks[-1]) * (1 + 0.01 * rng.standard_normal())
+                       for _ in range(rounds)] for k in ks}
+
+
+def gated(samples):
+    from nanodspark.cost_table import round_adjusted as ra
+    ks = sorted(k for _, k in samples)
+    raw = dict(zip([(256, k) for k in ks], ra([samples[(256, k)] for k in ks])))
+    t = CostTable(force_monotone(raw), raw=raw, samples=samples)
+    zs = gate_by_trend(t)
+    return t, zs[256]
+
+
+def test_gate_flattens_a_noise_slope_and_keeps_a_real_one():
+    """With no real slope, the isotonic staircase of a bimodal machine still rises (a slow last
+    point cannot be pooled away), so the scheduler would trim; the gate flattens it. A real 25 %
+    rise under the same noise is kept, and so is every row of a clean staircase."""
+    flattened = kept = 0
+    for seed in range(20):
+        t, z = gated(bimodal_profile(0.0, seed))
+        flattened += z < 1.645
+        if z < 1.645:
+            assert len(set(t.measurements.values())) == 1 and t.notes["flattened"] == [256]
+    assert flattened >= 17                       # a one-sided 5 % test: ~1 in 20 passes by chance
+    for seed in range(10):
+        t, z = gated(bimodal_profile(0.25, seed))
+        kept += z >= 1.645
+    assert kept >= 9
+    t, z = gated(bimodal_profile(0.25, 0))
+    if z >= 1.645:
+        assert t.measurements[(256, 1280)] > t.measurements[(256, 0)] and t.notes["flattened"] == []
+
+
+def test_gate_on_the_shipped_h200_profile():
+    """The shipped H200 table (benchmarks/cost_table_h200.json, measured before the gate): the
+    rise with K is significant at bs 1-64 and not at 128 and 256, whose isotonic rows rose
+    12-13 % on a single slow last point (chapter 09 section 5a)."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cost_table_h200.json"
+    t = CostTable.from_json(next(iter(json.loads(path.read_text()).values())))
+    before = {b: t.measurements[(b, 5 * b)] / t.measurements[(b, 0)] for b in (64, 256)}
+    zs = gate_by_trend(t)
+    assert [b for b, z in zs.items() if z < 1.645] == [128, 256] and t.notes["flattened"] == [128, 256]
+    assert before[256] > 1.1 and t.measurements[(256, 1280)] == t.measurements[(256, 0)]
+    assert t.measurements[(64, 320)] / t.measurements[(64, 0)] == pytest.approx(before[64])   # kept

@@ -91,6 +91,17 @@ def test_domains_and_init_options(tiny_dir, tmp_path):
                                "--max-steps", "2", "--lr", "0"])
     a, b = load_file(str(base / "dspark" / "model.safetensors")), load_file(str(ft / "dspark" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # --target-layers: which target layers the drafter reads (never the last one)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "data.json").write_text((base / "data.json").read_text())
+    train_heads.main(common + ["--out", str(wide), "--phases", "train", "--max-steps", "1", "--target-layers", "2,0,1"])
+    from nanodspark.drafter import Drafter
+    from nanodspark.loader import load_model
+    d = Drafter.load(wide / "dspark", load_model(str(tiny_dir)))
+    assert d.config.target_layer_ids == [0, 1, 2] and d.fc.in_features == 3 * d.config.hidden_size
+    with pytest.raises(SystemExit, match="target-layers"):
+        train_heads.main(common + ["--out", str(wide), "--phases", "train", "--max-steps", "1", "--target-layers", "3"])
     with pytest.raises(ValueError, match="gamma"):            # the checkpoint's block size must match
         train_heads.main(common + ["--gamma", "4", "--out", str(ft), "--phases", "train", "--init", str(base / "dspark"),
                                    "--max-steps", "1"])

@@ -64,6 +64,29 @@ def test_greedy_spec_equals_target_only(tiny_dir, drafter_dir, mode, oracle):
     check_no_leak(spec)
 
 
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_accept_cap_commits_one_token_per_step_and_stays_lossless(tiny_dir, mode):
+    """The step-cost profile's accept_cap = 0: an oracle drafter whose drafts would all be
+    accepted commits none of them, each step adds exactly one token per request (the target's
+    own), and the output is still target-only greedy."""
+    base = LLM(str(tiny_dir), use_tqdm=False)
+    spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(make_drafter(tiny_dir, tiny_dir.parent / f"d_cap_{mode}")),
+               verify_mode=mode, block_size=4)
+    eng = spec.engine
+    eng.spec.__class__ = OracleSpec
+    eng.spec.oracle = eng.model
+    eng.spec.window_fn = lambda reqs, draft: [eng.spec.gamma] * len(reqs)
+    eng.spec.accept_cap = 0
+    ps = prompts(5, eng.model_config.vocab_size, seed=3, lo=3, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    got = spec.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in base.generate(ps, params)]
+    # 8 decode steps after the prefill token, each verifying its full block (up to max_tokens)
+    verified = sum(min(eng.spec.gamma, params.max_tokens - n - 1) for n in range(1, 9))
+    assert all(o.spec["accepted"] == 0 and o.spec["verified"] == verified and o.spec["steps"] == 8 for o in got)
+    check_no_leak(spec)
+
+
 def exact_continuation_dist(model, prompt, n, vocab):
     """P(x_1..x_n | prompt) at temperature 1 by enumeration through the dense forward."""
     probs = {}
