@@ -358,14 +358,19 @@ def dspark_bench(args) -> dict:
     from .workloads import load_workload
     rows, paired, mixed = [], [], {}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
-    # All three engines stay loaded and their runs are interleaved (A B C A B C ...), so a slow
-    # drift of the machine (clocks, host load) hits every mode alike instead of whichever mode
-    # happened to run last; compact vs static is also reported as paired per-repeat ratios.
+    # All engines stay loaded and their runs are interleaved, so a slow drift of the machine
+    # (clocks, host load) hits every mode alike; the order rotates every repeat (A B C, B C A,
+    # C A B, ...), so no mode always runs in the same place of a round, after the same other
+    # mode. Compact vs static is also reported as paired per-repeat ratios.
     engines = [("no-spec", "none", "static", {}), ("static", None, "static", {}), ("compact", None, "compact", {})]
     if getattr(args, "no_trim", False):
         # compact that never trims (no gain can pass the guard): its plan and nothing else, to
         # tell compact's overhead from the effect of its trimming
         engines.append(("compact-no-trim", None, "compact", {"verify_min_gain": 1e9}))
+    if getattr(args, "aa", False):
+        # an A/A control: a second, identical static engine. Its paired ratio to static is
+        # what the harness reports when there is no difference at all (noise and bias)
+        engines.append(("static-b", None, "static", {}))
     llms = {name: LLM(args.model, drafter_path=drafter, verify_mode=mode, cost_table=args.cost_table,
                       max_num_seqs=max(args.concurrency), use_tqdm=False, kv_cache_memory_gb=args.kv_gb,
                       max_num_batched_tokens=8192, enable_prefix_cache=False, **extra)
@@ -383,9 +388,10 @@ def dspark_bench(args) -> dict:
                 # class (tile sizes), which would otherwise land in the first timed run
                 run_traffic(llm, prompts, wls, params)
             runs = {name: [] for name in llms}
-            for _ in range(args.repeats):
-                for name, llm in llms.items():
-                    runs[name].append(run_traffic(llm, prompts, wls, params))
+            names = list(llms)
+            for i in range(args.repeats):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    runs[name].append(run_traffic(llms[name], prompts, wls, params))
             for name, rs in runs.items():
                 r = sorted(rs, key=lambda x: x["total_tok_s"])[len(rs) // 2]   # the median run
                 rows.append({"mode": name, "workload": wl, "concurrency": c, **r,
@@ -393,10 +399,11 @@ def dspark_bench(args) -> dict:
             ratio = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs["compact"], runs["static"])]
             paired.append({"workload": wl, "concurrency": c, "compact_over_static": round(statistics.median(ratio), 3),
                            "min": round(min(ratio), 3), "max": round(max(ratio), 3)})
-            if "compact-no-trim" in runs:
-                nt = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs["compact-no-trim"], runs["static"])]
-                paired[-1].update(no_trim_over_static=round(statistics.median(nt), 3),
-                                  no_trim_min=round(min(nt), 3), no_trim_max=round(max(nt), 3))
+            for other, key in (("compact-no-trim", "no_trim"), ("static-b", "aa")):
+                if other in runs:
+                    q = [x["total_tok_s"] / y["total_tok_s"] for x, y in zip(runs[other], runs["static"])]
+                    paired[-1].update({f"{key}_over_static": round(statistics.median(q), 3),
+                                       f"{key}_min": round(min(q), 3), f"{key}_max": round(max(q), 3)})
             print(wl, c, {k: rows[-len(runs) + i]["total_tok_s"] for i, k in enumerate(runs)}, paired[-1], flush=True)
             if args.out:  # keep what is measured if the run is cut short
                 Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows,
@@ -427,7 +434,9 @@ def dspark_bench(args) -> dict:
         print(f"{r['mode']:8} {r['workload']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
     print(f"\n{'workload':8} {'conc':>5} {'compact/static (median, min-max of paired repeats)':>52}")
     for q in paired:
-        print(f"{q['workload']:8} {q['concurrency']:>5} {q['compact_over_static']:>8} ({q['min']}-{q['max']})")
+        extra = "".join(f"  {k}/static {q[k + '_over_static']} ({q[k + '_min']}-{q[k + '_max']})"
+                        for k in ("no_trim", "aa") if k + "_over_static" in q)
+        print(f"{q['workload']:8} {q['concurrency']:>5} {q['compact_over_static']:>8} ({q['min']}-{q['max']}){extra}")
     print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
     for w, m in mixed.items():
         print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")
@@ -475,6 +484,8 @@ def add_dspark_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--aa", action="store_true",
+                   help="add an A/A control: a second static engine, reported as its paired ratio to static")
     p.add_argument("--no-trim", action="store_true",
                    help="also run compact with a guard no gain can pass (its overhead alone), paired with static")
     p.add_argument("--mixed-concurrency", type=int, default=64)
@@ -535,7 +546,7 @@ def dspark_markdown(result: dict) -> str:
     by = {(r["workload"], r["concurrency"], r["mode"]): r for r in result["sweep"]}
     paired = {(q["workload"], q["concurrency"]): q for q in result.get("paired_compact_over_static", [])}
     points = sorted({(w, c) for w, c, _ in by}, key=lambda wc: (wc[0] != "mix", wc[0], wc[1]))
-    modes = [m for m in ("no-spec", "static", "compact", "compact-no-trim") if any(k[2] == m for k in by)]
+    modes = [m for m in ("no-spec", "static", "compact", "compact-no-trim", "static-b") if any(k[2] == m for k in by)]
     cell = lambda w, c, m: by.get((w, c, m))  # noqa: E731
     lines = ["| workload, concurrency | " + " | ".join(f"{w}, {c}" for w, c in points) + " |",
              "|---|" + "---|" * len(points)]
@@ -551,10 +562,11 @@ def dspark_markdown(result: dict) -> str:
         row("compact / static, paired (range)", lambda w, c: (
             f"{paired[(w, c)]['compact_over_static']:.2f} ({paired[(w, c)]['min']:.2f}-{paired[(w, c)]['max']:.2f})"
             if (w, c) in paired else "-"))
-    if any("no_trim_over_static" in q for q in paired.values()):
-        row("compact-no-trim / static, paired (range)", lambda w, c: (
-            f"{paired[(w, c)]['no_trim_over_static']:.2f} ({paired[(w, c)]['no_trim_min']:.2f}-"
-            f"{paired[(w, c)]['no_trim_max']:.2f})" if "no_trim_over_static" in paired.get((w, c), {}) else "-"))
+    for key, label in (("no_trim", "compact-no-trim / static"), ("aa", "static-b / static (A/A control)")):
+        if any(f"{key}_over_static" in q for q in paired.values()):
+            row(f"{label}, paired (range)", lambda w, c, key=key: (
+                f"{paired[(w, c)][key + '_over_static']:.2f} ({paired[(w, c)][key + '_min']:.2f}-"
+                f"{paired[(w, c)][key + '_max']:.2f})" if f"{key}_over_static" in paired.get((w, c), {}) else "-"))
     spec = [m for m in modes if m != "no-spec"]
     sums = {(w, c, m): point_summary(cell(w, c, m)) for w, c in points for m in spec if cell(w, c, m)}
     for key, label, fmt in (("window", "drafts verified per request", ".2f"), ("tau", "τ", ".2f"),

@@ -4,18 +4,18 @@ The idea
 --------
 `LLMEngine` is not thread-safe, and one `step()` can take a while, so it must never run on the
 asyncio event loop that serves HTTP. The server therefore has two sides that talk only through
-queues:
+queues, and three files:
 
-* **The engine thread** (`EngineLoop`) owns the engine. It drains an inbox of commands
-  (`add`, `abort`, `abort_all`), runs `engine.step()` while there is work, and otherwise sleeps on a
-  `threading.Condition`. Every `RequestOutput` goes to the asyncio queue of its request, put there
-  with `loop.call_soon_threadsafe` (the only safe way to touch asyncio objects from another
-  thread). A finished request is `release`d at once, so the engine forgets it.
-* **The handlers** (FastAPI, on the event loop) validate the JSON, tokenize in a worker thread,
-  put an `add` command in the inbox and `await` their queue: first an acceptance (or the engine's
-  refusal, which becomes a 400/429), then outputs. A streaming handler turns each output into a
-  server-sent event; a plain one collects them into one JSON answer. Nothing on the event loop
-  blocks: the only lock it takes is the inbox's, held for an append.
+* `engine_loop.py`: **the engine thread** (`EngineLoop`) owns the engine. Commands come in
+  through an inbox; each request's outputs go out to its own asyncio queue (its `Handle`).
+* `openai_api.py`: **the OpenAI shapes**: validation of request bodies into `SamplingParams`,
+  chat messages, response chunks, server-sent events and errors (`APIError`). No thread, no app.
+* this file: **the handlers** (FastAPI, on the event loop) read the JSON, tokenize in a worker
+  thread, put an `add` command in the inbox and `await` their queue: first an acceptance (or the
+  engine's refusal, which becomes a 400/429), then outputs. A streaming handler turns each output
+  into a server-sent event; a plain one collects them into one JSON answer. Nothing on the event
+  loop blocks: the only lock it takes is the inbox's, held for an append. `create_app` wires the
+  routes, the error handlers and the metrics middleware; `HTTPServer` runs the app with uvicorn.
 
 Abort. A client that goes away mid-stream cancels the response task; `_Stream.__call__` catches
 that in a `finally` and sends `abort` to the engine thread, which frees the request's KV blocks.
@@ -25,328 +25,42 @@ once; then the app's lifespan exit stops the engine thread and joins it.
 
 Invariants
 ----------
-* Only the engine thread calls the engine after startup; handlers use nothing of it but
-  immutable facts read before the thread starts (the tokenizer, the context and KV limits).
-* Every accepted request ends with exactly one finished output on its queue (stop, length or
-  abort) or an error item, and is released by the engine thread right after.
+* Handlers use nothing of the engine but immutable facts read before the engine thread starts
+  (the tokenizer, the context and KV limits); after that only the engine thread calls it.
 * `inflight` (requests between acceptance and their handler's end) is changed only on the event
-  loop; beyond `max_queue` new requests get 429 before they reach the engine.
-* Errors have the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
+  loop, exactly once up and once down per accepted request; beyond `max_queue` new requests get
+  429 before they reach the engine.
+* Every error, ours or FastAPI's, is answered in the OpenAI shape (`APIError`).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
-from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .engine_loop import ACCEPTED, EngineLoop, Handle
 from .metrics import Metrics
+from .openai_api import APIError, _bad, _get, _message_text, _sse, _usage, parse_sampling
 from .sampling import SamplingParams
+
+# The server's public names. The engine thread and the OpenAI shapes live in their own files but
+# are named here too, so `from nanodspark.server import EngineLoop` (or `APIError`, `Handle`,
+# `parse_sampling`) works: this module is the server's one entry point.
+__all__ = ["ACCEPTED", "APIError", "EngineLoop", "HTTPServer", "Handle", "OpenAIServer", "create_app",
+           "parse_sampling"]
 
 log = logging.getLogger("nanodspark.server")
 
 
-# ----------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """An error answered in the OpenAI shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
-
-
-# ----------------------------------------------------------------------------- engine thread
-ACCEPTED = "accepted"  # first item on a request's queue when the engine took it
-
-
-@dataclass(eq=False)
-class Handle:
-    """One request as the HTTP side sees it: its id and the queue its outputs arrive on."""
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    finished: bool = False        # its finished output (or an error) was consumed
-    closed: bool = False          # its handler is done with it
-
-
-class EngineLoop:
-    """The one thread that owns the engine: commands in, `RequestOutput`s out."""
-
-    def __init__(self, engine, metrics: Metrics):
-        self.engine, self.metrics = engine, metrics
-        self._cond = threading.Condition()
-        self._inbox: deque = deque()
-        self._stopping = False
-        self._handles: dict[str, Handle] = {}   # engine thread only
-        self._thread = threading.Thread(target=self._run, name="nanodspark-engine", daemon=True)
-        self.error: BaseException | None = None  # set if the loop itself died
-
-    # -- called from the event loop ---------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float | None = 60) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
-
-    def submit(self, handle: Handle, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._send(("add", handle, prompt_ids, params))
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def abort_all(self) -> None:
-        self._send(("abort_all",))
-
-    def _send(self, cmd: tuple) -> None:
-        with self._cond:
-            self._inbox.append(cmd)
-            self._cond.notify()
-
-    # -- the engine thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            self._publish_state()
-            while True:
-                with self._cond:
-                    while not self._inbox and not self._stopping and not eng.has_unfinished():
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    cmds = list(self._inbox)
-                    self._inbox.clear()
-                for cmd in cmds:
-                    self._command(cmd)
-                if eng.has_unfinished():
-                    try:
-                        outs = eng.step()
-                    except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
-                        log.exception("engine step failed")
-                        self._fail_all(APIError(500, f"engine step failed: {e}", "server_error"))
-                        outs = []
-                    self._publish_state()
-                    for out in outs:
-                        self._publish(out)
-                    if not outs and eng.has_unfinished():
-                        with self._cond:  # nothing could be scheduled this step: do not spin
-                            self._cond.wait(0.005)
-                else:
-                    self._publish_state()
-        except BaseException as e:  # noqa: BLE001 - report, then let /health say so
-            log.exception("engine thread died")
-            self.error = e
-        finally:
-            self._shutdown()
-
-    def _command(self, cmd: tuple) -> None:
-        eng = self.engine
-        if cmd[0] == "add":
-            _, h, prompt_ids, params = cmd
-            try:
-                eng.add_request(prompt_ids, params, request_id=h.request_id)
-            except OverflowError as e:
-                return self._deliver(h, APIError(429, f"server busy: {e}", "rate_limit_error"))
-            except ValueError as e:
-                return self._deliver(h, _bad(str(e)))
-            except Exception as e:  # noqa: BLE001
-                log.exception("add_request failed")
-                return self._deliver(h, APIError(500, f"could not add the request: {e}", "server_error"))
-            self._handles[h.request_id] = h
-            self.metrics.request_started(h.request_id, h.arrival)
-            self._deliver(h, ACCEPTED)
-        else:  # "abort" one request, or "abort_all"
-            for rid in (cmd[1],) if cmd[0] == "abort" else list(self._handles):
-                out = eng.abort(rid)
-                if out is not None:
-                    self._publish(out)
-
-    def _publish(self, out) -> None:
-        self.metrics.on_output(out)
-        if out.finished:
-            h = self._handles.pop(out.request_id, None)
-            self.engine.release(out.request_id)
-        else:
-            h = self._handles.get(out.request_id)
-        if h is not None and (out.text_delta or out.finished):  # handlers only need text
-            self._deliver(h, out)
-
-    def _publish_state(self) -> None:
-        s = self.engine.scheduler
-        spec = self.engine.spec.summary() if self.engine.spec is not None else None
-        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec)
-
-    def _fail_all(self, err: APIError) -> None:
-        for rid, h in list(self._handles.items()):
-            try:
-                self.engine.abort(rid)
-                self.engine.release(rid)
-            except Exception:  # noqa: BLE001 - the engine is already in trouble
-                log.exception("abort of %s failed", rid)
-            self.metrics.forget(rid)
-            self._deliver(h, err)
-        self._handles.clear()
-
-    def _shutdown(self) -> None:
-        """Abort everything still known, so that every waiting handler gets its end."""
-        for rid in list(self._handles):
-            try:
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._publish(out)
-            except Exception:  # noqa: BLE001
-                log.exception("abort of %s at shutdown failed", rid)
-        self._fail_all(APIError(503, "the server is shutting down", "server_error"))
-        with self._cond:
-            for cmd in self._inbox:
-                if cmd[0] == "add":
-                    self._deliver(cmd[1], APIError(503, "the server is shutting down", "server_error"))
-            self._inbox.clear()
-
-    @staticmethod
-    def _deliver(h: Handle, item) -> None:
-        try:
-            h.loop.call_soon_threadsafe(h.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-# ----------------------------------------------------------------------------- request parsing
-_TYPES = {
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "bool": (lambda v: isinstance(v, bool), "a boolean"),
-    "dict": (lambda v: isinstance(v, dict), "an object"),
-}
-
-
-def _get(body: dict, name: str, kind: str, default=None):
-    """body[name] checked against `kind`; missing or null gives `default`."""
-    v = body.get(name)
-    if v is None:
-        return default
-    ok, what = _TYPES[kind]
-    if not ok(v):
-        raise _bad(f"'{name}' must be {what}, got {json.dumps(v)[:60]}", name)
-    return v
-
-
-def _reject_unsupported(body: dict) -> None:
-    n = _get(body, "n", "int", 1)
-    if n != 1:
-        raise _bad(f"only n=1 is supported, got n={n}", "n")
-    if _get(body, "best_of", "int", 1) != 1:
-        raise _bad("best_of is not supported", "best_of")
-    if body.get("echo"):
-        raise _bad("echo is not supported", "echo")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _bad("logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, "number", 0) != 0:
-            raise _bad(f"{name} is not supported", name)
-    if body.get("logit_bias"):
-        raise _bad("logit_bias is not supported", "logit_bias")
-    if body.get("suffix"):
-        raise _bad("suffix is not supported", "suffix")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools are not supported", "tools")
-
-
-def parse_sampling(body: dict, max_tokens_default: int) -> SamplingParams:
-    """The OpenAI sampling fields (plus `top_k`, `ignore_eos`) -> validated `SamplingParams`."""
-    _reject_unsupported(body)
-    max_tokens = _get(body, "max_tokens", "int")
-    if max_tokens is None:
-        max_tokens = _get(body, "max_completion_tokens", "int", max_tokens_default)
-    if max_tokens < 1:
-        raise _bad(f"max_tokens must be a positive integer, got {max_tokens}", "max_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _bad("'stop' must be a string or a list of strings", "stop")
-    top_k = _get(body, "top_k", "int", 0)
-    seed = _get(body, "seed", "int")
-    if seed is not None and not -2**63 <= seed < 2**64:
-        raise _bad("'seed' must fit in 64 bits", "seed")
-    params = SamplingParams(
-        temperature=float(_get(body, "temperature", "number", 1.0)),
-        top_p=float(_get(body, "top_p", "number", 1.0)),
-        top_k=0 if top_k == -1 else top_k,   # -1 is a common spelling of "off"
-        max_tokens=max_tokens,
-        stop=[s for s in stop if s],
-        seed=seed,
-        ignore_eos=_get(body, "ignore_eos", "bool", False),
-    )
-    try:
-        return params.validate()
-    except ValueError as e:
-        raise _bad(str(e)) from None
-
-
-def _message_text(m, i: int) -> dict:
-    """One chat message -> {role, content: str}; content may be a list of text parts."""
-    if not isinstance(m, dict):
-        raise _bad(f"messages[{i}] must be an object", "messages")
-    role, content = m.get("role"), m.get("content")
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise _bad(f"messages[{i}].role must be system, user or assistant, got {json.dumps(role)[:40]}", "messages")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": role, "content": content}
-
-
 # ----------------------------------------------------------------------------- responses
-def _usage(out) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens, "speculative": out.spec}
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class _Stream(StreamingResponse):
     """A streaming response that runs `on_close` however it ends (done, disconnect, cancel)."""
 

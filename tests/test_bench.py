@@ -48,26 +48,37 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert out.exists() and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_dspark_sweep_with_a_compact_that_never_trims(tiny_dir, tmp_path):
+def test_dspark_sweep_with_a_compact_that_never_trims_and_an_aa_control(tiny_dir, tmp_path, monkeypatch):
     """--no-trim adds compact with a guard no gain passes: it verifies what static verifies, and
-    its paired ratio to static is reported (compact's overhead alone)."""
+    its paired ratio to static is reported (compact's overhead alone); --aa adds a second static
+    engine (the harness's own noise and bias); the order of the engines rotates every repeat."""
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
     table = tmp_path / "cost.json"
     CostTable({(1, 0): 0.01, (1, 2): 0.02, (2, 0): 0.01, (2, 4): 0.03}, model_name=str(model), dtype="torch.float32",
               device="cpu").save(table)
+    calls, real = [], be.run_traffic
+
+    def spy(llm, *a, **kw):
+        calls.append(id(llm))
+        return real(llm, *a, **kw)
+    monkeypatch.setattr(be, "run_traffic", spy)
     res = be.dspark_bench(types.SimpleNamespace(
         model=str(model), cost_table=str(table), concurrency=[2], workloads=["math"], min_requests=2,
         max_tokens=6, prompt_tokens=32, temperature=0.0, mixed_concurrency=2, mixed_requests=4, data_dir=None,
-        kv_gb=0.05, out=None, repeats=1, no_trim=True))
+        kv_gb=0.05, out=None, repeats=3, no_trim=True, aa=True))
     by = {r["mode"]: r for r in res["sweep"]}
-    assert set(by) == {"no-spec", "static", "compact", "compact-no-trim"}
+    assert set(by) == {"no-spec", "static", "compact", "compact-no-trim", "static-b"}
     verified = {m: sum(w["verified"] for w in by[m]["by_workload"].values()) for m in by}
-    assert verified["compact-no-trim"] == verified["static"] > 0
+    assert verified["compact-no-trim"] == verified["static"] == verified["static-b"] > 0
     q = res["paired_compact_over_static"][0]
-    assert q["no_trim_min"] <= q["no_trim_over_static"] <= q["no_trim_max"]
-    assert "compact-no-trim / static, paired" in be.dspark_markdown(res)
+    assert q["no_trim_min"] <= q["no_trim_over_static"] <= q["no_trim_max"] and q["aa_min"] <= q["aa_over_static"] <= q["aa_max"]
+    md = be.dspark_markdown(res)
+    assert "compact-no-trim / static, paired" in md and "static-b / static (A/A control), paired" in md
+    # a warm-up per engine, then rounds whose order rotates: A B C D E, B C D E A, C D E A B
+    warm, timed = calls[:5], calls[5:20]
+    assert timed[:5] == warm and timed[5:10] == warm[1:] + warm[:1] and timed[10:15] == warm[2:] + warm[:2]
 
 
 def test_bench_prompts_fill_a_concurrency_larger_than_the_workload():
