@@ -6,15 +6,17 @@ repeats, all backends measured side by side in one run, hardware and versions re
 
 `profile`: the step cost T(bs, K) of the loaded target + drafter for the cost scheduler
 (cost_scheduler.py). `--scope whole` (default) times whole `engine.step()` calls with the windows
-forced to add up to K; `--scope forward` times only the draft pass and the verify forward, which
-misses the K-independent host work of a step (acceptance, sampling, injection, bookkeeping).
+forced to add up to K and no draft committed (so every K commits the same tokens);
+`--scope forward` times only the draft pass and the verify forward, which misses the
+K-independent host work of a step (acceptance, sampling, injection, bookkeeping).
 
 `dspark`: the economics sweep — no speculation vs static vs compact, per concurrency and
-workload, each point warmed up with its own traffic and then run `--repeats` times with the three
-modes interleaved (the median run is reported, and compact / static as the median of paired
-per-repeat ratios with their range); per-user tok/s is the decode rate after a request's first
-token. `dspark-table` prints a saved sweep as the walkthrough's table (no GPU). `pareto`
-draws a sweep as a PNG.
+workload, each point warmed up with its own traffic and then run `--repeats` rounds, each running
+every engine once in an order that rotates every round (the median run is reported, and compact
+/ static as the median of paired per-repeat ratios with their range; `--no-trim` adds a compact
+that never trims, `--aa` a second static engine as an A/A control); per-user tok/s is the decode
+rate after a request's first token. `dspark-table` prints a saved sweep as the walkthrough's
+table (no GPU). `pareto` draws a sweep as a PNG.
 """
 from __future__ import annotations
 

@@ -12,6 +12,10 @@ the target's distribution at the same true prefix:
     greedy_k = [argmax p_draft == argmax p_target] acceptance at T = 0
     tau      = mean over anchors of 1 + sum_k prod_{j<=k} (alpha or greedy)   (`proxy_tau`)
 
+Per workload it also splits slot 1's greedy agreement by what the target's next token is
+(whitespace only, punctuation only, or a word piece: `token_classes`), to show *where* a
+drafter loses on a kind of text.
+
 Invariants: only anchors whose whole block lies inside the text count; a document's anchors
 start after its first assistant header (chat, math) or after its first PROXY_PREFIX_TOKENS tokens.
 It ignores that a real step's later slots follow the drafts, not the text. Run by
@@ -37,17 +41,23 @@ DEFAULT_DOCUMENTS = 100       # documents per workload
 DEFAULT_MAX_TOKENS = 384      # tokens per document
 DEFAULT_ANCHORS = 48          # random anchors per document
 BATCH = 16                    # documents per forward
-
-
-PROXY_DOMAINS = {"math": "val_math", "chat": "val_chat", "poetry": "val_poetry", "code": "val_code",
-                 "shakespeare": "val_shakespeare"}
-PROXY_PREFIX_TOKENS = 16      # documents without an assistant turn: anchors start after this prefix
+TOKEN_CLASSES = ("space", "punct", "word")   # what the target's next token is (`token_classes`)
 
 
 def proxy_tau(accept: torch.Tensor) -> float:
     """Mean over anchors of 1 + sum_k prod_{j<=k} accept[:, j]: the tokens one verify step would
     commit if slot k were accepted with probability accept[:, k] given the previous slots were."""
     return float((1 + accept.float().cumprod(-1).sum(-1)).mean()) if len(accept) else float("nan")
+
+
+def token_classes(tok, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] class index into TOKEN_CLASSES of every token's decoded text: "space"
+    (whitespace only: newlines, indentation), "word" (has a letter or digit), else "punct"."""
+    out = []
+    for i in range(vocab_size):
+        text = tok.decode([i])
+        out.append(0 if text.strip() == "" else 2 if any(c.isalnum() for c in text) else 1)
+    return torch.tensor(out)
 
 
 def text_documents(corpus: Path, name: str, tok, n: int, max_tokens: int, seed: int) -> list[dict]:
@@ -91,12 +101,13 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
         raise FileNotFoundError(f"no validation text (val_*.txt.xz) in {corpus}: build the corpus first "
                                 "(python -m nanodspark.recipes.default_model corpus)")
     res: dict = {"documents": {wl: len(d) for wl, d in docs.items()}, "max_tokens": max_tokens}
+    classes = token_classes(tok, target.config.vocab_size)
     for name, ddir in drafter_dirs.items():
         drafter = Drafter.load(ddir, target, device=device).eval()
         g = drafter.config.gamma
         for wl, seqs in docs.items():
             gen = torch.Generator().manual_seed(seed)
-            alpha, greedy, top1, nll = [], [], [], []
+            alpha, greedy, top1, nll, cls = [], [], [], [], []
             for i in range(0, len(seqs), BATCH):
                 bp = block_pass(drafter, target, seqs[i:i + BATCH], g, anchors, device, gen)
                 full = bp.valid.all(-1)                       # anchors whose whole block is inside the text
@@ -104,16 +115,22 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
                 p_t = bp.p_target[full]
                 alpha.append((1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1).cpu())
                 greedy.append((p_d.argmax(-1) == p_t.argmax(-1)).cpu())
+                cls.append(classes[p_t[:, 0].argmax(-1).cpu()])     # slot 1: what the target says next
                 top1.append(p_t.max(-1).values.cpu())
                 nll.append(-p_t.gather(-1, bp.labels[full][..., None]).squeeze(-1).clamp_min(1e-12).log().cpu())
-            a, gr = torch.cat(alpha), torch.cat(greedy)
+            a, gr, c = torch.cat(alpha), torch.cat(greedy), torch.cat(cls)
             res.setdefault(name, {})[wl] = {
                 "anchors": len(a), "tau_T0": round(proxy_tau(gr), 4), "tau_T1": round(proxy_tau(a), 4),
                 "greedy_by_position": [round(float(x), 4) for x in gr.float().mean(0)],
                 "alpha_by_position": [round(float(x), 4) for x in a.mean(0)],
                 "target_top1_prob": round(float(torch.cat(top1).mean()), 4),
-                "target_nll": round(float(torch.cat(nll).mean()), 4)}
+                "target_nll": round(float(torch.cat(nll).mean()), 4),
+                "slot1_by_class": {k: {"share": round(float((c == j).float().mean()), 4),
+                                       "greedy": round(float(gr[c == j, 0].float().mean()), 4) if (c == j).any() else None}
+                                   for j, k in enumerate(TOKEN_CLASSES)}}
             r = res[name][wl]
             print(f"proxy {name} {wl}: tau T=0 {r['tau_T0']} T=1 {r['tau_T1']} "
-                  f"(target top-1 prob {r['target_top1_prob']}, nll {r['target_nll']})", flush=True)
+                  f"(target top-1 prob {r['target_top1_prob']}, nll {r['target_nll']}); slot 1 by next token: "
+                  + ", ".join(f"{k} {v['share']:.0%} of anchors, agreement {v['greedy']}"
+                              for k, v in r["slot1_by_class"].items()), flush=True)
     return res

@@ -6,7 +6,7 @@ import torch
 import train_heads
 from nanodspark.drafter import Drafter, DrafterConfig
 from nanodspark.loader import Tokenizer, load_model
-from nanodspark.text_proxy import proxy_tau, text_documents
+from nanodspark.text_proxy import TOKEN_CLASSES, proxy_tau, text_documents, token_classes
 
 
 def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
@@ -29,6 +29,10 @@ def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
         assert r["anchors"] > 0 and len(r["alpha_by_position"]) == len(r["greedy_by_position"]) == 3
         assert all(0 <= a <= 1 for a in r["alpha_by_position"] + r["greedy_by_position"])
         assert 1 <= r["tau_T0"] <= 4 and 1 <= r["tau_T1"] <= 4 and 0 < r["target_top1_prob"] <= 1
+        by = r["slot1_by_class"]                       # slot 1 split by the target's next token
+        assert set(by) == set(TOKEN_CLASSES) and abs(sum(v["share"] for v in by.values()) - 1) < 1e-3
+        # the split is a partition of slot 1's anchors: share-weighted agreement is slot 1's agreement
+        assert abs(sum(v["share"] * (v["greedy"] or 0) for v in by.values()) - r["greedy_by_position"][0]) < 2e-3
     # the math document's prompt ends at the assistant header: anchors only inside the answer
     math_doc = text_documents(corpus, "val_math", Tokenizer(str(tiny_dir)), 1, 384, 0)[0]
     assert Tokenizer(str(tiny_dir)).decode(math_doc["prompt"]).endswith("assistant\n")
@@ -38,3 +42,18 @@ def test_proxy_tau():
     # 1 + sum of prefix products, averaged over anchors
     assert proxy_tau(torch.tensor([[1, 1, 0], [1, 0, 1]])) == 2.5
     assert abs(proxy_tau(torch.tensor([[0.5, 0.5, 0.5]])) - 1.875) < 1e-6
+
+
+def test_token_classes(tiny_dir):
+    tok = Tokenizer(str(tiny_dir))
+    classes = token_classes(tok, tok.vocab_size)
+    name = {i: TOKEN_CLASSES[int(c)] for i, c in enumerate(classes)}
+    checked = 0
+    for text, want in (("\n", "space"), ("    ", "space"), ("(", "punct"), ("):", "punct"), ("the", "word"),
+                       ("x1", "word")):
+        ids = tok.encode(text)
+        if len(ids) == 1:                              # all but "x1" are one token in our 8k BPE
+            assert name[ids[0]] == want, (text, name[ids[0]])
+            checked += 1
+    assert checked >= 4
+    assert {"space", "punct", "word"} <= set(name.values())
