@@ -14,11 +14,12 @@ The idea
     non-decreasing in K (least-squares isotonic fit by default). Last, `gate_by_trend` asks of
     each batch size whether its timings rise with K at all beyond their noise (a Mann-Kendall
     trend test over every timed step, `trend_z`); where they do not, the row is made flat, so
-    the scheduler never trims on a slope that the profile cannot tell from noise. `CostTable` keeps the table,
-    the per-point estimates before forcing (`raw`) and every timed step (`samples`), and is
-    what the scheduler reads: the staircase itself (ceiling lookup in K, linear in bs at the
-    same drafts per request). The additive model T = bias + alpha(bs) + theta(M) is fitted
-    and printed next to it; it explains a profile but smooths its cliffs away, so it is not read.
+    the scheduler never trims on a slope that the profile cannot tell from noise. `CostTable`
+    keeps the table, the per-point estimates before forcing (`raw`) and every timed step
+    (`samples`), and is what the scheduler reads: the staircase itself (ceiling lookup in K,
+    linear in bs at the same drafts per request). The additive model T = bias + alpha(bs) +
+    theta(M) is fitted and printed next to it; it explains a profile but smooths its cliffs
+    away, so it is not read.
 
 Invariants
     * The table read by the scheduler is non-decreasing in K at every measured batch size.

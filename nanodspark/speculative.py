@@ -123,6 +123,8 @@ class SpecDecoder:
         t0, lap = time.perf_counter(), eng.clock.lap
         pre = [(r, n) for r, n in plan if not r.is_decoding]
         dec = [r for r, _ in plan if r.is_decoding]
+        if self.accept_cap is not None and not all(r.params.greedy for r in dec):   # before any state changes
+            raise ValueError("accept_cap (step-cost profiling) supports greedy requests only")
         for r in dec:
             if r.request_id in self.pending:
                 self._settle(r)
@@ -163,8 +165,6 @@ class SpecDecoder:
                     m = self.accept_cap       # the target's own token at the cap, as a rejection there
                     vr = VerifyResult(drafts[i][:m] + [argmax[lo + m]], m, vr.ceiling)
             else:
-                if self.accept_cap is not None:
-                    raise ValueError("accept_cap (step-cost profiling) supports greedy requests only")
                 probs = target_probs(res.logits[lo:hi], [r.params] * (hi - lo))
                 vr = verify_block(draft.tokens[i, :n_ver], probs, draft.probs[i, :n_ver], wins[i], self.mode,
                                   False, r.generator)

@@ -84,6 +84,14 @@ def test_accept_cap_commits_one_token_per_step_and_stays_lossless(tiny_dir, mode
     # 8 decode steps after the prefill token, each verifying its full block (up to max_tokens)
     verified = sum(min(eng.spec.gamma, params.max_tokens - n - 1) for n in range(1, 9))
     assert all(o.spec["accepted"] == 0 and o.spec["verified"] == verified and o.spec["steps"] == 8 for o in got)
+    # profiling only: a sampled request is refused before the step changes anything
+    req = eng.add_request(ps[0], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    eng.step()                                         # the prefill step (no verify yet)
+    state = (len(req.output_ids), req.num_computed)
+    with pytest.raises(ValueError, match="greedy"):
+        eng.step()
+    assert (len(req.output_ids), req.num_computed) == state
+    eng.abort(req.request_id)
     check_no_leak(spec)
 
 
