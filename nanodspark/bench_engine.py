@@ -62,6 +62,9 @@ def environment() -> dict:
         pass
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
+    else:                                  # a CPU run must say so too: its numbers mean something else
+        import os
+        env["device"] = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible"
     return env
 
 

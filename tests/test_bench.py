@@ -28,6 +28,8 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert {(r["mode"], r["workload"], r["concurrency"]) for r in res["sweep"]} == {
         (m, w, c) for m in ("no-spec", "static", "compact") for w in ("mix", "math") for c in (1, 2)}
     assert all(r["tokens"] == max(r["concurrency"], 2) * 4 for r in res["sweep"])  # ignore_eos, 4 tokens each
+    import torch                                    # the hardware is recorded, CPU runs too
+    assert res["device"] == torch.cuda.get_device_name() if torch.cuda.is_available() else res["device"].startswith("cpu: ")
     assert all(len(r["repeats_total_tok_s"]) == 2 and r["total_tok_s"] in r["repeats_total_tok_s"] for r in res["sweep"])
     assert [(q["workload"], q["concurrency"]) for q in res["paired_compact_over_static"]] == [
         (w, c) for w in ("mix", "math") for c in (1, 2)]
