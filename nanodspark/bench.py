@@ -538,11 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--before", default=None, help="an earlier run's JSON, for its graph-replay column")
     t.set_defaults(func=cmd_kernels_table)
 
-    from . import bench_engine as be  # engine-level benchmarks live in their own file
+    from . import bench_engine as be  # engine-level benchmarks live in their own files
+    from . import bench_profile as bp
     for name, helptext, add_args, run in (
             ("engine", "LLM.generate tokens/s, Qwen3-0.6B shape, random weights", be.add_engine_args,
              be.engine_baseline),
-            ("profile", "profile the step cost T(bs, K) of target + drafter", be.add_profile_args, be.profile),
+            ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
             ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
              be.dspark_bench),
             ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,

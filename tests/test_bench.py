@@ -6,6 +6,7 @@ import types
 from pathlib import Path
 
 from nanodspark import bench_engine as be
+from nanodspark import bench_profile as bp
 from nanodspark.cost_table import CostTable
 
 from test_verify import make_drafter
@@ -16,7 +17,7 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
     table = tmp_path / "cost.json"
-    be.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
+    bp.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
                                      out=str(table), scope="forward"))
     saved = next(iter(json.loads(table.read_text()).values()))
     assert saved["model_name"] == str(model) and saved["notes"]["context"] == 16 and len(saved["raw"]) == len(saved["measurements"])
@@ -105,7 +106,7 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     llm = LLM(str(model), use_tqdm=False, max_num_seqs=3, kv_cache_memory_gb=0.05)
     spec, eng = llm.engine.spec, llm.engine
     spec.mode = "compact"
-    run = be.whole_step_runner(llm, context_len=20)
+    run = bp.whole_step_runner(llm, context_len=20)
     running = eng.scheduler.running
     for bs in (3, 1):
         run(bs, 0)                                   # a new batch size builds and prefills its batch
@@ -122,14 +123,14 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     assert all(u["used"] == 0 for u in eng.kv_usage().values())
     # real prompts (cycled, cut to their last context_len tokens) instead of random tokens
     prompts = [list(range(3, 40)), [7, 8, 9]]
-    run = be.whole_step_runner(llm, context_len=20, prompts=prompts)
+    run = bp.whole_step_runner(llm, context_len=20, prompts=prompts)
     run(3, 2)
     assert sorted(r.prompt_ids for r in running) == sorted([prompts[0][-20:], prompts[1], prompts[0][-20:]])
     run.close()
     assert not eng.has_unfinished()
     # prepare() keeps the profiled context fixed: once a request has grown past the slack, the
     # batch is rebuilt from the same prompts, untimed and outside the phase clock
-    run = be.whole_step_runner(llm, context_len=20, prompts=prompts, context_slack=4)
+    run = bp.whole_step_runner(llm, context_len=20, prompts=prompts, context_slack=4)
     run.prepare(3, 0)
     ids = {r.request_id for r in running}
     run(3, 0)                                        # K = 0: one token per request
@@ -159,7 +160,7 @@ def test_whole_step_profile_holds_acceptance_fixed(tiny_dir, tmp_path):
     spec, running = llm.engine.spec, llm.engine.scheduler.running
     spec.mode, spec.__class__, spec.oracle = "compact", OracleSpec, llm.engine.model
     for commit, want in ((False, 0), (True, 3 * 2 * spec.gamma)):
-        run = be.whole_step_runner(llm, context_len=20, prompts=[list(range(3, 40))], commit_drafts=commit)
+        run = bp.whole_step_runner(llm, context_len=20, prompts=[list(range(3, 40))], commit_drafts=commit)
         run.prepare(2, 0)
         for _ in range(3):
             run(2, 2 * spec.gamma)
@@ -170,8 +171,8 @@ def test_whole_step_profile_holds_acceptance_fixed(tiny_dir, tmp_path):
 
 
 def test_profile_k_grid_is_dense_and_ends_at_full_blocks():
-    assert be.k_grid(1, 5) == [0, 1, 2, 3, 4, 5]
-    g = be.k_grid(64, 5, points=8)
+    assert bp.k_grid(1, 5) == [0, 1, 2, 3, 4, 5]
+    g = bp.k_grid(64, 5, points=8)
     assert g[0] == 0 and g[-1] == 320 and len(g) == 9
     assert max(b - a for a, b in zip(g, g[1:])) == 40      # no gap wider than an eighth of the range
 
