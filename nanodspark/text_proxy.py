@@ -16,6 +16,12 @@ Per workload it also splits slot 1's greedy agreement by what the target's next 
 (whitespace only, punctuation only, or a word piece: `token_classes`), to show *where* a
 drafter loses on a kind of text.
 
+`logit_lens` asks the same of the target alone: at which layer is its next token decided? For
+every response position it reads each layer's output through the final norm and the LM head
+and counts how often that argmax is already the model's final one. A drafter reads a few
+layers below the last (`target_layer_ids`); a kind of text whose next token is settled only in
+the last layer gives it less to go on.
+
 Invariants: only anchors whose whole block lies inside the text count; a document's anchors
 start after its first assistant header (chat, math) or after its first PROXY_PREFIX_TOKENS tokens.
 It ignores that a real step's later slots follow the drafts, not the text. Run by
@@ -31,6 +37,7 @@ import torch
 
 from .drafter import Drafter, block_pass
 from .loader import load_model
+from .model import DenseAttentionContext
 from .recipes.corpus import EOT
 from .workloads import ASSISTANT_HEADER
 
@@ -58,6 +65,26 @@ def token_classes(tok, vocab_size: int) -> torch.Tensor:
         text = tok.decode([i])
         out.append(0 if text.strip() == "" else 2 if any(c.isalnum() for c in text) else 1)
     return torch.tensor(out)
+
+
+@torch.no_grad()
+def logit_lens(target, docs: list[dict], device) -> list[float]:
+    """Share of response positions whose argmax read off layer l's output (final norm + LM head)
+    equals the model's own, for l = 0 .. L-1 (the last entry is 1 by construction)."""
+    L = target.config.num_hidden_layers
+    hits, count = torch.zeros(L), 0
+    for d in docs:
+        ids = torch.tensor(d["prompt"] + d["response"], device=device)
+        S = len(ids)
+        out = target(ids, torch.arange(S, device=device), DenseAttentionContext(1, S),
+                     capture_layers=tuple(range(L - 1)))
+        rows = slice(len(d["prompt"]) - 1, S - 1)        # positions whose next token is a response token
+        final = target.compute_logits(out.hidden[rows]).argmax(-1)
+        for layer, h in enumerate(out.captured):
+            hits[layer] += (target.compute_logits(target.model.norm(h[rows])).argmax(-1) == final).sum().item()
+        hits[L - 1] += len(final)
+        count += len(final)
+    return [round(float(x) / max(1, count), 4) for x in hits]
 
 
 def text_documents(corpus: Path, name: str, tok, n: int, max_tokens: int, seed: int) -> list[dict]:
@@ -102,6 +129,9 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
                                 "(python -m nanodspark.recipes.default_model corpus)")
     res: dict = {"documents": {wl: len(d) for wl, d in docs.items()}, "max_tokens": max_tokens}
     classes = token_classes(tok, target.config.vocab_size)
+    res["logit_lens"] = {wl: logit_lens(target, seqs, device) for wl, seqs in docs.items()}
+    for wl, lens in res["logit_lens"].items():
+        print(f"logit lens {wl}: share of next tokens already the final argmax after layer 0..: {lens}", flush=True)
     for name, ddir in drafter_dirs.items():
         drafter = Drafter.load(ddir, target, device=device).eval()
         g = drafter.config.gamma

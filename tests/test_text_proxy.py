@@ -24,6 +24,10 @@ def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
     rep = train_heads.main(["--target", str(tiny_dir), "--corpus", str(corpus), "--out", str(tmp_path / "run"),
                             "--phases", "proxy", "--proxy-n", "2", "--anchors", "4"])["text_proxy"]
     assert rep["documents"] == {"math": 2, "poetry": 2}
+    # the logit lens: one share per target layer, the last one 1 (it *is* the final argmax)
+    L = target.config.num_hidden_layers
+    assert set(rep["logit_lens"]) == {"math", "poetry"}
+    assert all(len(v) == L and v[-1] == 1.0 and all(0 <= x <= 1 for x in v) for v in rep["logit_lens"].values())
     for wl in ("math", "poetry"):
         r = rep["dspark"][wl]
         assert r["anchors"] > 0 and len(r["alpha_by_position"]) == len(r["greedy_by_position"]) == 3
@@ -57,3 +61,19 @@ def test_token_classes(tiny_dir):
             checked += 1
     assert checked >= 4
     assert {"space", "punct", "word"} <= set(name.values())
+
+
+def test_logit_lens_of_a_model_whose_layers_do_nothing(tiny_dir):
+    """With every layer's residual branch zeroed, each layer's output is the embedding, so every
+    layer's lens already gives the final argmax (share 1.0 everywhere); the real tiny model's
+    early layers do not (a share below 1 somewhere)."""
+    from nanodspark.text_proxy import logit_lens
+    target = load_model(tiny_dir)
+    docs = [{"prompt": [5, 6, 7], "response": list(range(10, 40))}]
+    assert min(logit_lens(target, docs, "cpu")[:-1]) < 1.0
+    with torch.no_grad():
+        for layer in target.model.layers:
+            for name, p in layer.named_parameters():
+                if name.startswith(("self_attn.o_proj", "mlp.")) and ("down" in name or "o_proj" in name):
+                    p.zero_()
+    assert logit_lens(target, docs, "cpu") == [1.0] * target.config.num_hidden_layers
