@@ -100,6 +100,18 @@ def test_prefix_hit_reports_cached_tokens(tiny_dir):
     assert req.tables["full"].num_cached_tokens == 48  # 50 shared tokens -> 12 full blocks
 
 
+def test_generated_blocks_are_published_for_later_prompts(tiny_dir):
+    """Blocks filled by *generated* tokens are published too (the engine commits a block once it
+    is full), so a follow-up prompt that repeats prompt + output hits them."""
+    llm = LLM(str(tiny_dir), use_tqdm=False, block_size=4)
+    p = list(range(10, 31))                                   # 21 prompt tokens
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    req = llm.engine.add_request(p + out + [7], GREEDY)
+    llm.engine.step()
+    # 21 + 11 tokens had their K/V written (the last output token never is): 8 full blocks
+    assert req.tables["full"].num_cached_tokens == 32
+
+
 def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_dir, ref_llm):
     eng = ref_llm.engine
     vocab = eng.model_config.vocab_size
