@@ -13,8 +13,9 @@ the target's distribution at the same true prefix:
     tau      = mean over anchors of 1 + sum_k prod_{j<=k} (alpha or greedy)   (`proxy_tau`)
 
 Per workload it also splits slot 1's greedy agreement by what the target's next token is
-(whitespace only, punctuation only, or a word piece: `token_classes`), to show *where* a
-drafter loses on a kind of text.
+(whitespace only, punctuation only, a word piece, or a control token such as <|im_end|>:
+`token_classes`), and lists the most frequent punctuation next tokens with the drafter's
+agreement (`punct_misses`), to show *where* a drafter loses on a kind of text.
 
 `logit_lens` asks the same of the target alone: at which layer is its next token decided? For
 every response position it reads each layer's output through the final norm and the LM head
@@ -48,7 +49,8 @@ DEFAULT_DOCUMENTS = 100       # documents per workload
 DEFAULT_MAX_TOKENS = 384      # tokens per document
 DEFAULT_ANCHORS = 48          # random anchors per document
 BATCH = 16                    # documents per forward
-TOKEN_CLASSES = ("space", "punct", "word")   # what the target's next token is (`token_classes`)
+TOKEN_CLASSES = ("space", "punct", "word", "special")   # what the target's next token is (`token_classes`)
+PUNCT_TOP = 12                # punctuation tokens listed per workload (`punct_misses`)
 
 
 def proxy_tau(accept: torch.Tensor) -> float:
@@ -58,12 +60,16 @@ def proxy_tau(accept: torch.Tensor) -> float:
 
 
 def token_classes(tok, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] class index into TOKEN_CLASSES of every token's decoded text: "space"
-    (whitespace only: newlines, indentation), "word" (has a letter or digit), else "punct"."""
+    """[vocab_size] class index into TOKEN_CLASSES of every token's decoded text: "special" (a
+    control token such as <|im_end|>, which decodes to nothing as text), "space" (whitespace
+    only: newlines, indentation), "word" (has a letter or digit), else "punct"."""
     out = []
     for i in range(vocab_size):
         text = tok.decode([i])
-        out.append(0 if text.strip() == "" else 2 if any(c.isalnum() for c in text) else 1)
+        if text == "" and tok.decode([i], skip_special_tokens=False) != "":
+            out.append(3)
+        else:
+            out.append(0 if text.strip() == "" else 2 if any(c.isalnum() for c in text) else 1)
     return torch.tensor(out)
 
 
@@ -85,6 +91,22 @@ def logit_lens(target, docs: list[dict], device) -> list[float]:
         hits[L - 1] += len(final)
         count += len(final)
     return [round(float(x) / max(1, count), 4) for x in hits]
+
+
+def punct_misses(pairs: torch.Tensor, tok, top: int = PUNCT_TOP) -> list[dict]:
+    """The `top` most frequent next tokens of `pairs` ([n, 2]: the target's argmax, the drafter's
+    argmax at slot 1), each with its count, the share where the drafter agrees, and what the
+    drafter most often says instead."""
+    out = []
+    tokens, counts = pairs[:, 0].unique(return_counts=True) if len(pairs) else (torch.tensor([]), torch.tensor([]))
+    for t in tokens[counts.argsort(descending=True)][:top].tolist():
+        rows = pairs[pairs[:, 0] == t]
+        wrong = rows[rows[:, 1] != t, 1]
+        instead = int(wrong.mode().values) if len(wrong) else None
+        out.append({"token": tok.decode([t], skip_special_tokens=False), "n": len(rows),
+                    "greedy": round(float((rows[:, 1] == t).float().mean()), 4),
+                    "drafter_instead": None if instead is None else tok.decode([instead], skip_special_tokens=False)})
+    return out
 
 
 def text_documents(corpus: Path, name: str, tok, n: int, max_tokens: int, seed: int) -> list[dict]:
@@ -137,7 +159,7 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
         g = drafter.config.gamma
         for wl, seqs in docs.items():
             gen = torch.Generator().manual_seed(seed)
-            alpha, greedy, top1, nll, cls = [], [], [], [], []
+            alpha, greedy, top1, nll, cls, nxt = [], [], [], [], [], []
             for i in range(0, len(seqs), BATCH):
                 bp = block_pass(drafter, target, seqs[i:i + BATCH], g, anchors, device, gen)
                 full = bp.valid.all(-1)                       # anchors whose whole block is inside the text
@@ -146,9 +168,10 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
                 alpha.append((1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1).cpu())
                 greedy.append((p_d.argmax(-1) == p_t.argmax(-1)).cpu())
                 cls.append(classes[p_t[:, 0].argmax(-1).cpu()])     # slot 1: what the target says next
+                nxt.append(torch.stack([p_t[:, 0].argmax(-1), p_d[:, 0].argmax(-1)], -1).cpu())
                 top1.append(p_t.max(-1).values.cpu())
                 nll.append(-p_t.gather(-1, bp.labels[full][..., None]).squeeze(-1).clamp_min(1e-12).log().cpu())
-            a, gr, c = torch.cat(alpha), torch.cat(greedy), torch.cat(cls)
+            a, gr, c, pairs = torch.cat(alpha), torch.cat(greedy), torch.cat(cls), torch.cat(nxt)
             res.setdefault(name, {})[wl] = {
                 "anchors": len(a), "tau_T0": round(proxy_tau(gr), 4), "tau_T1": round(proxy_tau(a), 4),
                 "greedy_by_position": [round(float(x), 4) for x in gr.float().mean(0)],
@@ -157,7 +180,8 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
                 "target_nll": round(float(torch.cat(nll).mean()), 4),
                 "slot1_by_class": {k: {"share": round(float((c == j).float().mean()), 4),
                                        "greedy": round(float(gr[c == j, 0].float().mean()), 4) if (c == j).any() else None}
-                                   for j, k in enumerate(TOKEN_CLASSES)}}
+                                   for j, k in enumerate(TOKEN_CLASSES)},
+                "slot1_punct_tokens": punct_misses(pairs[c == TOKEN_CLASSES.index("punct")], tok)}
             r = res[name][wl]
             print(f"proxy {name} {wl}: tau T=0 {r['tau_T0']} T=1 {r['tau_T1']} "
                   f"(target top-1 prob {r['target_top1_prob']}, nll {r['target_nll']}); slot 1 by next token: "

@@ -6,7 +6,7 @@ import torch
 import train_heads
 from nanodspark.drafter import Drafter, DrafterConfig
 from nanodspark.loader import Tokenizer, load_model
-from nanodspark.text_proxy import TOKEN_CLASSES, proxy_tau, text_documents, token_classes
+from nanodspark.text_proxy import TOKEN_CLASSES, proxy_tau, punct_misses, text_documents, token_classes
 
 
 def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
@@ -33,6 +33,8 @@ def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
         assert r["anchors"] > 0 and len(r["alpha_by_position"]) == len(r["greedy_by_position"]) == 3
         assert all(0 <= a <= 1 for a in r["alpha_by_position"] + r["greedy_by_position"])
         assert 1 <= r["tau_T0"] <= 4 and 1 <= r["tau_T1"] <= 4 and 0 < r["target_top1_prob"] <= 1
+        punct = r["slot1_punct_tokens"]                # the most frequent punctuation next tokens
+        assert sum(t["n"] for t in punct) <= round(by_share(r, "punct") * r["anchors"]) + 1
         by = r["slot1_by_class"]                       # slot 1 split by the target's next token
         assert set(by) == set(TOKEN_CLASSES) and abs(sum(v["share"] for v in by.values()) - 1) < 1e-3
         # the split is a partition of slot 1's anchors: share-weighted agreement is slot 1's agreement
@@ -40,6 +42,10 @@ def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
     # the math document's prompt ends at the assistant header: anchors only inside the answer
     math_doc = text_documents(corpus, "val_math", Tokenizer(str(tiny_dir)), 1, 384, 0)[0]
     assert Tokenizer(str(tiny_dir)).decode(math_doc["prompt"]).endswith("assistant\n")
+
+
+def by_share(r, name):
+    return r["slot1_by_class"][name]["share"]
 
 
 def test_proxy_tau():
@@ -60,7 +66,8 @@ def test_token_classes(tiny_dir):
             assert name[ids[0]] == want, (text, name[ids[0]])
             checked += 1
     assert checked >= 4
-    assert {"space", "punct", "word"} <= set(name.values())
+    assert {"space", "punct", "word", "special"} <= set(name.values())
+    assert name[tok.tok.token_to_id("<|im_end|>")] == "special"      # not "space": it decodes to nothing
 
 
 def test_logit_lens_of_a_model_whose_layers_do_nothing(tiny_dir):
@@ -77,3 +84,13 @@ def test_logit_lens_of_a_model_whose_layers_do_nothing(tiny_dir):
                 if name.startswith(("self_attn.o_proj", "mlp.")) and ("down" in name or "o_proj" in name):
                     p.zero_()
     assert logit_lens(target, docs, "cpu") == [1.0] * target.config.num_hidden_layers
+
+
+def test_punct_misses_counts_agreement_and_the_usual_substitute(tiny_dir):
+    tok = Tokenizer(str(tiny_dir))
+    colon, dot, comma = (tok.encode(x)[0] for x in (":", ".", ","))
+    pairs = torch.tensor([[colon, dot], [colon, dot], [colon, colon], [colon, comma], [comma, comma]])
+    got = punct_misses(pairs, tok)
+    assert got[0] == {"token": ":", "n": 4, "greedy": 0.25, "drafter_instead": "."}
+    assert got[1] == {"token": ",", "n": 1, "greedy": 1.0, "drafter_instead": None}
+    assert punct_misses(pairs, tok, top=1) == got[:1] and punct_misses(pairs[:0], tok) == []
