@@ -150,12 +150,12 @@ def train_drafter(args, target, data, dcfg: DrafterConfig, alpha: dict, seconds:
     from tqdm import tqdm
     device = next(target.parameters()).device
     torch.manual_seed(args.seed)
-    drafter = Drafter(dcfg, target.model.embed_tokens, target.lm_head).to(device)
-    if getattr(args, "init", None) and name == "dspark":     # fine-tune an existing drafter
+    if getattr(args, "init", None) and name == "dspark":     # fine-tune an existing drafter (its own config)
         drafter = Drafter.load(args.init, target, device=device)
         if drafter.config.gamma != dcfg.gamma:
             raise ValueError(f"--init {args.init} has gamma {drafter.config.gamma}, not --gamma {dcfg.gamma}")
     else:
+        drafter = Drafter(dcfg, target.model.embed_tokens, target.lm_head).to(device)
         for n_, p in drafter.named_parameters():
             if p.dim() >= 2 and "markov_w2" not in n_:
                 torch.nn.init.normal_(p, std=0.02)

@@ -249,10 +249,7 @@ class CostTable:
 
         On a flat table trimming saves nothing, so the budget search returns the full budget.
         """
-        by_bs: dict[int, list[float]] = {}
-        for (b, _), s in self.measurements.items():
-            by_bs.setdefault(b, []).append(s)
-        return all(max(v) - min(v) <= rel_tol * min(v) for v in by_bs.values())
+        return all(s.max() - s.min() <= rel_tol * s.min() for _, s in self._rows().values())
 
     def format_fit(self) -> str:
         """Raw median, monotone (what the scheduler reads) and additive-fit milliseconds for
@@ -375,15 +372,16 @@ def gate_by_trend(table: "CostTable", z_min: float = DEFAULT_TREND_Z) -> dict[in
     for b, k in sorted(table.samples):
         rows.setdefault(b, []).append(k)
     zs: dict[int, float] = {}
+    measurements = dict(table.measurements)              # a new dict, so the table's caches see the change
     for b, ks in rows.items():
         grid = [table.samples[(b, k)] for k in ks]
         if len({len(g) for g in grid}) != 1 or len(grid[0]) < 2:
             continue
         zs[b] = float(trend_z(ks, grid))
         if zs[b] < z_min:
-            level = float(np.median([table.raw.get((b, k), table.measurements[(b, k)]) for k in ks]))
-            table.measurements.update({(b, k): level for k in ks})
-    table.measurements = dict(table.measurements)          # a new dict: drops the curve cache
+            level = float(np.median([table.raw.get((b, k), measurements[(b, k)]) for k in ks]))
+            measurements.update({(b, k): level for k in ks})
+    table.measurements = measurements
     table.notes = {**table.notes, "trend_z_min": z_min, "trend_z": {str(b): round(z, 2) for b, z in zs.items()},
                    "flattened": [b for b, z in zs.items() if z < z_min]}
     table.fit_additive()
@@ -446,12 +444,13 @@ def profile_step_cost(run_step: Callable[[int, int], None], batch_sizes: Sequenc
         for b in batch_sizes:               # times[(b, k)][r] is round r: every K once per round
             raw.update(zip([(b, k) for k in ks[b]], round_adjusted([times[(b, k)] for k in ks[b]])))
     table = CostTable(force_monotone(raw, monotone), model_name, dtype, device, tuple(graph_tiers), raw=raw, samples=times)
-    table.fit_additive()
     if trend_z_min is not None and repeats > 1:
-        zs = gate_by_trend(table, trend_z_min)
+        zs = gate_by_trend(table, trend_z_min)            # (refits the additive model)
         if verbose:
             print("trend z by bs (flat below %.2f): " % trend_z_min
                   + " ".join(f"{b}: {z:.2f}" for b, z in zs.items()))
+    else:
+        table.fit_additive()
     if verbose:
         print(table.format_fit())
     return table

@@ -493,9 +493,9 @@ class LLMEngine:
             bm.truncate(t, min(t.num_tokens, req.num_tokens))  # drop rejected speculative slots
             if g == "sliding":
                 bm.release_outside_window(t, self.model_config.sliding_window, req.num_computed)
-            elif bm.enable_prefix_cache and req.num_computed // bm.block_size > t.num_hashed_blocks:
-                # only when a block has become full: the id list costs O(length) to build
-                bm.commit(t, req.all_ids[:req.num_computed])
+            elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
+                start = bm.published_tokens(t)
+                bm.commit(t, req.ids(start, req.num_computed), start)
         delta, stop_hit = detokenize(self.tokenizer, req, accepted, final=reason is not None)
         if stop_hit:
             reason = "stop"

@@ -163,15 +163,19 @@ class BlockManager:
         return BlockTable(blocks, num_tokens=n, num_cached_tokens=len(hits) * bs,
                           num_hashed_blocks=len(hits), last_hash=h)
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int]) -> None:
-        """token_ids: all committed tokens of the request (prompt + output) whose K/V is written.
-        Publishes the blocks that became full, so later prompts can hit them."""
-        assert len(token_ids) <= table.num_tokens, "committing tokens without reserved slots"
+    def commit(self, table: BlockTable, token_ids: Sequence[int], start: int = 0) -> None:
+        """token_ids: the request's committed tokens (prompt + output, K/V written) from position
+        `start` on. Publishes the blocks that became full, so later prompts can hit them. A
+        caller that passes only the tokens from `published_tokens(table)` on pays for the new
+        tokens, not for the whole request, every step."""
+        assert start + len(token_ids) <= table.num_tokens, "committing tokens without reserved slots"
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
-        for i in range(table.num_hashed_blocks, len(token_ids) // bs):
-            key = (table.last_hash, tuple(token_ids[i * bs:(i + 1) * bs]))
+        assert start <= table.num_hashed_blocks * bs, "commit must cover the first unpublished block"
+        for i in range(table.num_hashed_blocks, (start + len(token_ids)) // bs):
+            lo = i * bs - start
+            key = (table.last_hash, tuple(token_ids[lo:lo + bs]))
             h, b = chain_hash(*key), table.blocks[i]
             # b == -1: released by a sliding window, nothing to publish (the chain goes on).
             # h already cached: another request published the same prefix first; keep theirs.
@@ -179,6 +183,10 @@ class BlockManager:
                 assert self.block_hash[b] is None and self.ref_count[b] == 1
                 self.cache[h], self.block_hash[b], self.block_key[b] = b, h, key
             table.last_hash, table.num_hashed_blocks = h, i + 1
+
+    def published_tokens(self, table: BlockTable) -> int:
+        """Positions already published by `commit` (whole blocks)."""
+        return table.num_hashed_blocks * self.block_size
 
     # ---- growing, rolling back, releasing ---------------------------------------------------
     def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:

@@ -159,7 +159,7 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
         g = drafter.config.gamma
         for wl, seqs in docs.items():
             gen = torch.Generator().manual_seed(seed)
-            alpha, greedy, top1, nll, cls, nxt = [], [], [], [], [], []
+            alpha, greedy, top1, nll, nxt = [], [], [], [], []
             for i in range(0, len(seqs), BATCH):
                 bp = block_pass(drafter, target, seqs[i:i + BATCH], g, anchors, device, gen)
                 full = bp.valid.all(-1)                       # anchors whose whole block is inside the text
@@ -167,11 +167,12 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
                 p_t = bp.p_target[full]
                 alpha.append((1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1).cpu())
                 greedy.append((p_d.argmax(-1) == p_t.argmax(-1)).cpu())
-                cls.append(classes[p_t[:, 0].argmax(-1).cpu()])     # slot 1: what the target says next
+                # slot 1: what the target says next, and what the drafter says
                 nxt.append(torch.stack([p_t[:, 0].argmax(-1), p_d[:, 0].argmax(-1)], -1).cpu())
                 top1.append(p_t.max(-1).values.cpu())
                 nll.append(-p_t.gather(-1, bp.labels[full][..., None]).squeeze(-1).clamp_min(1e-12).log().cpu())
-            a, gr, c, pairs = torch.cat(alpha), torch.cat(greedy), torch.cat(cls), torch.cat(nxt)
+            a, gr, pairs = torch.cat(alpha), torch.cat(greedy), torch.cat(nxt)
+            c = classes[pairs[:, 0]]                          # the class of the target's next token
             res.setdefault(name, {})[wl] = {
                 "anchors": len(a), "tau_T0": round(proxy_tau(gr), 4), "tau_T1": round(proxy_tau(a), 4),
                 "greedy_by_position": [round(float(x), 4) for x in gr.float().mean(0)],

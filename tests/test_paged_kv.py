@@ -103,6 +103,25 @@ def test_commit_publishes_only_full_committed_blocks():
         m.commit(t, list(range(11)))  # more tokens than reserved slots
 
 
+def test_commit_from_an_offset_equals_commit_of_the_whole_list():
+    """The engine passes only the tokens from `published_tokens` on; the result is the same."""
+    ids = list(range(1, 23))
+    whole, tail = BlockManager(16, 4), BlockManager(16, 4)
+    a, b = whole.allocate_prompt(ids[:3]), tail.allocate_prompt(ids[:3])
+    for m, t in ((whole, a), (tail, b)):
+        m.ensure_capacity(t, len(ids))
+    for n in (3, 7, 9, 16, 22):                      # committed tokens after successive steps
+        whole.commit(a, ids[:n])
+        start = tail.published_tokens(b)
+        tail.commit(b, ids[start:n], start)
+        assert (b.num_hashed_blocks, b.last_hash) == (a.num_hashed_blocks, a.last_hash) == (n // 4, b.last_hash)
+    assert set(tail.cache) == set(whole.cache) and len(tail.cache) == 5
+    c = tail.allocate_prompt([9, 9, 9])
+    tail.ensure_capacity(c, 12)
+    with pytest.raises(AssertionError, match="first unpublished block"):   # skipping block 0
+        tail.commit(c, ids[4:8], 4)
+
+
 def test_duplicate_content_keeps_first_publisher():
     m = BlockManager(16, 4)
     a = m.allocate_prompt([1, 2, 3, 4, 5])
