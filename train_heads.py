@@ -61,7 +61,7 @@ from nanodspark.workloads import ASSISTANT_HEADER  # noqa: E402
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
-TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")
+TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs", "distill")  # distill: if the corpus has it
 
 
 # ----------------------------------------------------------------------------- 1. data
@@ -69,11 +69,10 @@ def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> 
     """Beginnings of training documents, spread evenly over `domains`."""
     rng = random.Random(seed)
     out = []
-    per = n // len(domains) + 1
+    domains = [d for d in domains if (corpus / f"{d}.txt.xz").exists()]
+    per = n // max(1, len(domains)) + 1
     for dom in domains:
         path = corpus / f"{dom}.txt.xz"
-        if not path.exists():
-            continue
         with lzma.open(path, "rt", encoding="utf-8") as f:
             docs = [d for d in f.read().split(EOT) if len(d) > 80]
         for d in rng.sample(docs, min(per, len(docs))):

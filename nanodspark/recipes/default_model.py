@@ -4,7 +4,11 @@
     python -m nanodspark.recipes.default_model tokenizer --corpus build/corpus   # CPU, ~1 min
     python -m nanodspark.recipes.default_model train     --corpus .carry/corpus --out OUT   # GPU, ~4 min
 
-Each step is its own module (corpus.py, tokenizer.py, train_target.py); this file only
+and one optional step, not used by the shipped target (walkthrough 04 §5b):
+
+    python -m nanodspark.recipes.default_model distill   --corpus build/corpus   # a teacher's answers
+
+Each step is its own module (corpus.py, tokenizer.py, distill.py, train_target.py); this file only
 dispatches, so `--help` after a step name shows that step's options.
 """
 import sys
@@ -12,7 +16,7 @@ import sys
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    steps = {"corpus": "corpus", "tokenizer": "tokenizer", "train": "train_target"}
+    steps = {"corpus": "corpus", "tokenizer": "tokenizer", "distill": "distill", "train": "train_target"}
     if not argv or argv[0] not in steps:
         raise SystemExit(__doc__)
     import runpy

@@ -35,7 +35,16 @@ from ..model import CausalLM, DenseAttentionContext, MoE
 from .corpus import EOT
 
 # Share of training sequences drawn from each domain (code from this machine's Python sources).
-MIXTURE = {"code": 0.30, "docs": 0.14, "chat": 0.22, "math": 0.16, "literature": 0.12, "dict": 0.06}
+# "default" is the embedded target's recipe. The "distill" mixtures add answers of a pretrained
+# teacher (recipes/distill.py, a `distill.txt.xz` in the corpus), taking their share from the
+# other domains; they are the experiments of 09_results.md §4e.
+MIXTURES = {
+    "default": {"code": 0.30, "docs": 0.14, "chat": 0.22, "math": 0.16, "literature": 0.12, "dict": 0.06},
+    "distill10": {"code": 0.25, "docs": 0.14, "chat": 0.17, "math": 0.16, "literature": 0.12, "dict": 0.06,
+                  "distill": 0.10},
+    "distill25": {"code": 0.20, "docs": 0.10, "chat": 0.13, "math": 0.14, "literature": 0.12, "dict": 0.06,
+                  "distill": 0.25},
+}
 VAL_DOMAINS = ("math", "chat", "poetry", "code", "shakespeare")
 
 
@@ -155,6 +164,9 @@ def balance_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
 def train(args) -> dict:
     from tokenizers import Tokenizer
     from tqdm import tqdm
+    mixture = MIXTURES[args.mixture]
+    if "distill" in mixture and not (Path(args.corpus) / "distill.txt.xz").exists():
+        raise SystemExit(f"mixture {args.mixture!r} needs distill.txt.xz in {args.corpus} (recipes/distill.py)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     tok = Tokenizer.from_file(str(args.tokenizer))
@@ -178,7 +190,8 @@ def train(args) -> dict:
                             fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed)
     log = {"config": cfg.raw, "params": n_params, "curve": [], "val": [], "data_seconds": round(data_s, 1),
-           "train_tokens": {k: len(v) for k, v in train_s.items()}}
+           "train_tokens": {k: len(v) for k, v in train_s.items()},
+           "mixture": {k: v for k, v in mixture.items() if k in train_s}}
     best, best_state, step, tokens = float("inf"), None, 0, 0
     start = last_eval = time.time()
     bar = tqdm(total=int(args.seconds), desc="train (s)", unit="s")
@@ -190,7 +203,7 @@ def train(args) -> dict:
                         0.1 + 0.45 * (1 + math.cos(math.pi * (frac - args.warmup) / (1 - args.warmup))))
         for g in opt.param_groups:
             g["lr"] = lr
-        x = sample_batch(train_s, MIXTURE, args.batch, args.seq, gen).to(device, non_blocking=True)
+        x = sample_batch(train_s, mixture, args.batch, args.seq, gen).to(device, non_blocking=True)
         router_logits.clear()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = lm_loss(model, x)
@@ -258,6 +271,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=str(Path(__file__).parents[1] / "assets/default/tokenizer.json"))
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=150.0, help="training time budget")
+    p.add_argument("--mixture", choices=sorted(MIXTURES), default="default", help="domain shares (MIXTURES)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = time only)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=512)

