@@ -61,7 +61,7 @@ from nanodspark.workloads import ASSISTANT_HEADER  # noqa: E402
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
-TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs", "distill")  # distill: if the corpus has it
+TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill" with --domains (09 §4e)
 
 
 # ----------------------------------------------------------------------------- 1. data
