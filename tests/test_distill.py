@@ -124,3 +124,18 @@ def test_target_mixtures_and_their_distill_file(tmp_path):
     assert "distill" not in MIXTURES["default"]          # the shipped target's recipe
     with pytest.raises(SystemExit, match="distill.txt.xz"):
         train(SimpleNamespace(mixture="distill10", corpus=str(tmp_path)))
+
+
+def test_corpus_file_keeps_usable_clean_answers(tmp_path):
+    import json
+    needle = eval_needles()["math"][0]
+    rows = [{"id": "chat-0-0", "kind": "chat", "doc": "<|im_start|>user\nHi there<|im_end|>\n"},
+            {"id": "code-0-0", "kind": "code", "doc": None},                      # unusable answer
+            {"id": "math-0-0", "kind": "math", "doc": f"<|im_start|>user\n{needle}<|im_end|>\n"}]
+    jsonl = tmp_path / "distill.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = distill.write_corpus_file(jsonl, tmp_path / "distill.txt.xz", None)
+    text = lzma.open(tmp_path / "distill.txt.xz", "rt", encoding="utf-8").read()
+    assert text == rows[0]["doc"] + EOT
+    assert stats["docs"] == 1 and stats["unusable"] == 1 and stats["dropped_for_hygiene"] == 1
+    assert stats["answered"] == {"math": 1, "chat": 1, "poetry": 0, "code": 1}

@@ -191,7 +191,11 @@ def chat_first_turns(chat_text: str) -> list[str]:
 def build_prompts(corpus: Path, data_dir, seed: int) -> dict[str, list[dict]]:
     """Per kind, a shuffled list of {"id", "kind", "text"} from training sources."""
     rng = random.Random(seed)
-    read = lambda name: lzma.open(corpus / f"{name}.txt.xz", "rt", encoding="utf-8").read()
+
+    def read(name):
+        with lzma.open(corpus / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
+            return f.read()
+
     math = [r["question"].strip() for r in read_jsonl(data_file("gsm8k_train.jsonl", data_dir))]
     instr = [tp.format(t=t) for t in TOPICS for tp in TEMPLATES]
     chat = chat_first_turns(read("chat")) if (corpus / "chat.txt.xz").exists() else []
@@ -297,13 +301,15 @@ def answer_batch(model, tok, batch: list[dict], temperature: float, top_p: float
 
 def write_corpus_file(jsonl: Path, out: Path, data_dir) -> dict:
     rows = [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
+    usable = [r for r in rows if r["doc"] is not None]
     index = NeedleIndex(all_needles(eval_needles(data_dir)))
-    docs = [r["doc"] for r in rows if index.find(r["doc"]) is None]
+    kept = [r for r in usable if index.find(r["doc"]) is None]
     with lzma.open(out, "wt", encoding="utf-8") as f:
-        f.write("".join(d + EOT for d in docs))
-    per_kind = {k: sum(r["kind"] == k for r in rows) for k in KINDS}
-    return {"docs": len(docs), "dropped_for_hygiene": len(rows) - len(docs), "per_kind": per_kind,
-            "chars": sum(len(d) for d in docs)}
+        f.write("".join(r["doc"] + EOT for r in kept))
+    return {"answered": {k: sum(r["kind"] == k for r in rows) for k in KINDS},
+            "per_kind": {k: sum(r["kind"] == k for r in kept) for k in KINDS},
+            "docs": len(kept), "unusable": len(rows) - len(usable), "dropped_for_hygiene": len(usable) - len(kept),
+            "chars": sum(len(r["doc"]) for r in kept)}
 
 
 def main(argv=None) -> None:
@@ -336,17 +342,17 @@ def main(argv=None) -> None:
     deadline = time.time() + 60 * args.minutes
     bar = tqdm(total=len(queue), desc="distill", unit="prompt")
     with jsonl.open("a", encoding="utf-8") as f:
-        # Batches are cut from a window sorted by length so that padding stays small.
-        for w in range(0, len(queue), 8 * args.batch):
-            window = sorted(queue[w:w + 8 * args.batch], key=lambda p: len(p["text"]))
+        # Batches are cut from a window sorted by length so that padding stays small; the window
+        # is two batches, so a time budget that ends inside one barely skews the mix of kinds.
+        for w in range(0, len(queue), 2 * args.batch):
+            window = sorted(queue[w:w + 2 * args.batch], key=lambda p: len(p["text"]))
             for b in range(0, len(window), args.batch):
                 if time.time() > deadline:
                     break
                 batch = window[b:b + args.batch]
                 for p, (a, ended) in zip(batch, answer_batch(model, tok, batch, args.temperature, args.top_p)):
-                    doc = document(p, a, ended)
-                    if doc is not None:
-                        f.write(json.dumps({"id": p["id"], "kind": p["kind"], "doc": doc}) + "\n")
+                    # Unusable answers are recorded too (doc null), so a resumed run skips them.
+                    f.write(json.dumps({"id": p["id"], "kind": p["kind"], "doc": document(p, a, ended)}) + "\n")
                 f.flush()
                 bar.update(len(batch))
             if time.time() > deadline:
