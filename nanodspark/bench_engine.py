@@ -198,9 +198,9 @@ def dspark_bench(args) -> dict:
     llms = {name: LLM(args.model, drafter_path=drafter, verify_mode=mode, cost_table=args.cost_table,
                       max_num_seqs=max(args.concurrency), use_tqdm=False, kv_cache_memory_gb=args.kv_gb,
                       max_num_batched_tokens=8192, enable_prefix_cache=False, **extra)
-            for name, drafter, mode, extra in engines}
-    tok = llms["static"].tokenizer
-    for wl in args.workloads:
+            for name, drafter, mode, extra in engines} if args.concurrency else {}
+    for wl in args.workloads if args.concurrency else ():
+        tok = llms["static"].tokenizer
         for c in args.concurrency:
             n = max(c, args.min_requests)
             ps = bench_prompts(wl, n, args.data_dir)
@@ -236,6 +236,7 @@ def dspark_bench(args) -> dict:
     # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
     llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
               max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
+    tok = llm.tokenizer
     ps = load_workload("mix", n=args.mixed_requests, data_dir=args.data_dir)
     r = run_traffic(llm, [tok.encode(p.render())[-args.prompt_tokens:] for p in ps], [p.workload for p in ps], params)
     for w, s in r["by_workload"].items():
@@ -245,6 +246,7 @@ def dspark_bench(args) -> dict:
                     "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
     estimator = llm.engine.spec.summary()["ceiling"]
     result = {"benchmark": "dspark economics on the default pair (trained weights)", **environment(),
+              "model": args.model or "default (nanodspark/assets/default)",
               "temperature": args.temperature, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "sweep": rows, "paired_compact_over_static": paired,
               "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed,
@@ -252,7 +254,8 @@ def dspark_bench(args) -> dict:
               "cost_table": args.cost_table}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-        pareto_png(result, str(Path(args.out).with_suffix(".png")))
+        if rows:
+            pareto_png(result, str(Path(args.out).with_suffix(".png")))
     print(f"\n{'mode':8} {'workload':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
     for r in rows:
         print(f"{r['mode']:8} {r['workload']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
@@ -270,7 +273,8 @@ def dspark_bench(args) -> dict:
 def add_dspark_args(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--cost-table", default=None)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64, 128, 256],
+                   help="the sweep's concurrencies; none (a bare --concurrency) runs only the mixed traffic")
     p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"])
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="runs per point; the median run is reported")

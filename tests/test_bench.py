@@ -187,3 +187,19 @@ def test_kernel_goal_counts_of_the_committed_h200_run():
     assert goals["bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8"]["met"] == 13
     table = bench.kernels_markdown(res)
     assert table.count("\n") == len(res["rows"]) + 1 and "| 8 | 8k | 8 | 4 |" in table
+
+
+def test_dspark_bench_without_concurrencies_runs_only_the_mixed_traffic(tiny_dir, tmp_path):
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    out = tmp_path / "mixed.json"
+    res = be.dspark_bench(types.SimpleNamespace(
+        model=str(model), cost_table=None, concurrency=[], workloads=["mix"], min_requests=2,
+        max_tokens=4, prompt_tokens=32, temperature=1.0, mixed_concurrency=2, mixed_requests=4, data_dir=None,
+        kv_gb=0.05, out=str(out), repeats=1))
+    assert res["sweep"] == [] and res["paired_compact_over_static"] == [] and res["model"] == str(model)
+    by = res["mixed_traffic_cap_accept"]["by_workload"]
+    assert set(by) == {"math", "chat", "poetry", "code"} and sum(m["requests"] for m in by.values()) == 4
+    assert all(m["tau"] >= 1 for m in by.values())           # every step commits at least the bonus token
+    assert json.loads(out.read_text())["temperature"] == 1.0 and not out.with_suffix(".png").exists()
