@@ -173,7 +173,7 @@ def code_prompts(code_text: str, limit: int, rng: random.Random) -> list[str]:
             out.append("".join(lines[node.lineno - 1:doc.end_lineno]))
         if len(out) >= limit:
             break
-    return out
+    return out[:limit]
 
 
 def chat_first_turns(chat_text: str) -> list[str]:
