@@ -19,12 +19,17 @@ Prompts come only from training sources, never from an evaluation set: GSM8K *tr
 questions, the first user turn of chit-chat conversations, instructions built from
 `TOPICS` x `TEMPLATES`, the openings of the *training* poems, and signature + docstring of
 functions from the corpus's own Python code. Every prompt and every answer is checked against
-the evaluation prompts (`corpus.NeedleIndex`), as the corpus is.
+the evaluation prompts (`corpus.NeedleIndex`), as the corpus is. Answers are cleaned, not
+tuned (`document`): no end-of-turn after a cut answer, no echoed poem opening, code cut out of
+the answer's code block.
 
 Output: `distill.txt.xz` in the corpus folder (one more training domain; chat-style answers as
 ChatML exchanges rendered exactly like the workloads' prompts, code as raw completions), and
 `distill.jsonl` next to it, appended as answers finish, so a stopped run resumes and a time
 budget always ends with a usable file.
+
+Walkthrough: chapter 04 §5b (the recipe, and how the teacher reaches the GPU); chapter 09 §4e
+(what two targets trained with it did to DSpark's acceptance).
 """
 from __future__ import annotations
 
