@@ -41,6 +41,7 @@ import os
 import random
 import time
 import zipfile
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -169,13 +170,12 @@ def code_prompts(code_text: str, limit: int, rng: random.Random) -> list[str]:
             continue
         lines = src.splitlines(keepends=True)
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or not node.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or len(node.body) < 2:
                 continue
-            doc = node.body[0]
-            if not (isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant)
-                    and isinstance(doc.value.value, str) and len(node.body) > 1 and 40 <= len(doc.value.value) <= 600):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is None or not 40 <= len(doc) <= 600:
                 continue
-            out.append("".join(lines[node.lineno - 1:doc.end_lineno]))
+            out.append("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
         if len(out) >= limit:
             break
     return out[:limit]
@@ -223,7 +223,7 @@ def build_prompts(corpus: Path, data_dir, seed: int) -> dict[str, list[dict]]:
 def interleave(prompts: dict[str, list[dict]], done: set[str]) -> list[dict]:
     """All not-yet-answered prompts, kinds mixed in the KINDS proportion (so that any prefix
     of the list, i.e. any time budget, keeps that mix)."""
-    queues = {k: [p for p in v if p["id"] not in done] for k, v in prompts.items()}
+    queues = {k: deque(p for p in v if p["id"] not in done) for k, v in prompts.items()}
     credit = {k: 0.0 for k in queues}
     out = []
     while any(queues.values()):
@@ -231,7 +231,7 @@ def interleave(prompts: dict[str, list[dict]], done: set[str]) -> list[dict]:
             credit[k] += KINDS[k] if queues[k] else 0.0
         k = max((k for k in queues if queues[k]), key=lambda k: credit[k])
         credit[k] -= 1.0
-        out.append(queues[k].pop(0))
+        out.append(queues[k].popleft())
     return out
 
 
@@ -253,7 +253,7 @@ def code_body(prompt: str, answer: str) -> str | None:
     fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
     if fn is None:
         return None
-    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
     if not body:
         return None
     lines = block.splitlines(keepends=True)
