@@ -15,7 +15,8 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    warm-up + cosine over a time budget, bf16 autocast on GPU, a progress bar, safetensors
    checkpoints; resumable (`--resume` continues from `out/<drafter>/train_state.*`, written every
    `--ckpt-every` seconds, and ends exactly where an uninterrupted run would). The same run
-   trains the DFlash ablation (no Markov head, no confidence, CE only), step-matched by default.
+   trains the DFlash ablation (no Markov head, no confidence, CE only), step-matched by default;
+   the `dflash` phase trains only the ablation, later, step-matched to the DSpark run on record.
 3. `calibrate` — speculative decoding with full-block verification on held-out prompts records
    raw confidence logits and prefix-acceptance labels (saved; `--calib-records` refits from
    them); on one half (stratified by workload) `calibration.fit_sts` fits one temperature per
@@ -438,7 +439,10 @@ def main(argv=None):
     phases = set(args.phases.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = Tokenizer(args.target)
-    report = {"argv": " ".join(sys.argv), "torch": torch.__version__,
+    # A run in several calls (phases) keeps every call's command line.
+    command = " ".join(sys.argv if argv is None else ["train_heads.py", *argv])
+    report = {"argv": command, "commands": load_report(out).get("commands", []) + [command],
+              "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     t0 = time.time()
     data_path = out / "data.json"
@@ -450,7 +454,7 @@ def main(argv=None):
         print(report["data"], flush=True)
         save_report(out, report)
     dirs = {"dspark": out / "dspark", "dflash": out / "dflash"}
-    if "train" in phases:
+    if "train" in phases or "dflash" in phases:
         data = json.loads(data_path.read_text())
         target = load_model(args.target, dtype=torch.float32, device=device)
         base = dict(gamma=args.gamma, num_layers=args.layers, intermediate_size=args.intermediate,
@@ -460,14 +464,21 @@ def main(argv=None):
             if not all(0 <= i < target.config.num_hidden_layers - 1 for i in base["target_layer_ids"]):
                 raise SystemExit(f"--target-layers must be in 0..{target.config.num_hidden_layers - 2} "
                                  "(the last layer feeds the logits, not the drafter)")
-        dcfg = DrafterConfig.for_target(target.config, markov_rank=args.markov_rank, **base)
-        d, curve = train_drafter(args, target, data, dcfg, LOSS_ALPHA, args.seconds, dirs["dspark"], "dspark")
-        report["dspark"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
-                            "config": vars(dcfg), "steps": curve[-1]["step"]}
-        save_report(out, report)
-        if args.dflash != "off":
+        if "train" in phases:
+            dcfg = DrafterConfig.for_target(target.config, markov_rank=args.markov_rank, **base)
+            d, curve = train_drafter(args, target, data, dcfg, LOSS_ALPHA, args.seconds, dirs["dspark"], "dspark")
+            report["dspark"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
+                                "config": vars(dcfg), "steps": curve[-1]["step"]}
+            save_report(out, report)
+        # The "dflash" phase trains only the ablation, later, against the DSpark run on record.
+        if "dflash" in phases or args.dflash != "off":
             fcfg = DrafterConfig.for_target(target.config, markov_rank=0, confidence=False, **base)
-            steps = curve[-1]["step"] if args.dflash == "steps" else 0
+            steps = 0
+            if args.dflash != "seconds":
+                steps = (report.get("dspark") or load_report(out).get("dspark") or {}).get("steps", 0)
+                if not steps:
+                    raise SystemExit(f"a step-matched DFlash needs a DSpark run on record in {out}/report.json "
+                                     "(or --dflash seconds)")
             d, curve = train_drafter(args, target, data, fcfg, DFLASH_ALPHA, args.dflash_seconds, dirs["dflash"],
                                      "dflash", max_steps=steps)
             report["dflash"] = {"params": sum(p.numel() for p in d.parameters()), "curve": curve,
@@ -488,6 +499,11 @@ def main(argv=None):
     merged = save_report(out, report)
     print_summary(merged)
     return merged
+
+
+def load_report(out: Path) -> dict:
+    path = out / "report.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def save_report(out: Path, report: dict) -> dict:

@@ -5,6 +5,7 @@ around it that a bug could silently corrupt.
 """
 import lzma
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +96,10 @@ def test_interleave_keeps_the_mix_in_every_prefix():
     head = order[:200]
     for k, share in distill.KINDS.items():
         assert abs(sum(p["kind"] == k for p in head) / 200 - share) < 0.02
+    only_code = distill.interleave(prompts, done={"code-3"}, kinds=("code",))
+    assert [p["id"] for p in only_code] == [f"code-{i}" for i in range(400) if i != 3]
+    with pytest.raises(SystemExit, match="unknown kinds"):
+        distill._kinds("code,poems")
 
 
 def test_prompts_come_from_training_sources_only(tmp_path):
@@ -113,6 +118,9 @@ def test_prompts_come_from_training_sources_only(tmp_path):
         assert all(index.find(p["text"]) is None for p in ps), kind
         assert len({p["id"] for p in ps}) == len(ps)
     assert len(prompts["poetry"]) == distill.SAMPLES["poetry"] * len({p["text"] for p in prompts["poetry"]})
+    more = distill.build_prompts(tmp_path, None, seed=0, samples={"code": 3})
+    assert [p["id"] for p in more["code"]] == ["code-0-0", "code-0-1", "code-0-2"]   # code-0-0 as before
+    assert more["code"][2]["text"] == prompts["code"][0]["text"] and more["chat"] == prompts["chat"]
 
 
 def test_target_mixtures_and_their_distill_file(tmp_path):
@@ -124,6 +132,9 @@ def test_target_mixtures_and_their_distill_file(tmp_path):
     assert "distill" not in MIXTURES["default"]          # the shipped target's recipe
     with pytest.raises(SystemExit, match="distill.txt.xz"):
         train(SimpleNamespace(mixture="distill10", corpus=str(tmp_path)))
+    (tmp_path / "distill_np.txt.xz").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"needs distill_code\.txt\.xz in"):   # names only the missing file
+        train(SimpleNamespace(mixture="distill25c_np", corpus=str(tmp_path)))
 
 
 def test_corpus_file_keeps_usable_clean_answers(tmp_path):
@@ -138,4 +149,50 @@ def test_corpus_file_keeps_usable_clean_answers(tmp_path):
     text = lzma.open(tmp_path / "distill.txt.xz", "rt", encoding="utf-8").read()
     assert text == rows[0]["doc"] + EOT
     assert stats["docs"] == 1 and stats["unusable"] == 1 and stats["dropped_for_hygiene"] == 1
+    # --write-only --keep-kinds: the same answers, filtered by kind, into another corpus file
+    distill.main(["--corpus", str(tmp_path), "--write-only", "--keep-kinds", "math,code", "--out-name", "no_chat"])
+    assert lzma.open(tmp_path / "no_chat.txt.xz", "rt", encoding="utf-8").read() == ""
+    manifest = json.loads((tmp_path / "no_chat_manifest.json").read_text())
+    assert manifest["per_kind"]["chat"] == 0 and manifest["kept_kinds"] == ["math", "code"]
+    with pytest.raises(SystemExit, match="needs"):
+        distill.main(["--corpus", str(tmp_path), "--write-only", "--name", "missing"])
     assert stats["answered"] == {"math": 1, "chat": 1, "poetry": 0, "code": 1}
+
+
+def test_target_training_stops_on_its_token_budget(tmp_path):
+    """`--tokens` ends training (and its schedule) on data seen, not on time."""
+    import argparse
+    import json
+
+    from nanodspark.recipes.train_target import add_args, train
+    text = "def add(a, b):\n    return a + b\n" * 40 + EOT
+    for name in ("code", "val_code"):
+        with lzma.open(tmp_path / f"{name}.txt.xz", "wt", encoding="utf-8") as f:
+            f.write(text * 4)
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args(["--corpus", str(tmp_path), "--out", str(tmp_path / "t"), "--tokens", "100",
+                          "--seconds", "1e9", "--batch", "2", "--seq", "32", "--eval-every", "1e9"])
+    args.command = "test"
+    log = train(args)
+    # a step is 2 rows of seq + 1 tokens; training stops at the first step at or past 100 tokens
+    assert log["steps"] == 2 and log["tokens"] == 2 * 2 * 33
+    assert json.loads((tmp_path / "t" / "train_log.json").read_text())["steps"] == 2
+    assert (tmp_path / "t" / "config.json").exists()
+
+
+def test_code_completions_end_in_a_blank_line(tmp_path):
+    """A code document must not end in the bare-newline token a HumanEval prompt ends in."""
+    import json
+    from tokenizers import Tokenizer
+
+    from nanodspark.loader import DEFAULT_MODEL_DIR
+    rows = [{"id": "code-0-0", "kind": "code", "doc": "def f(x):\n    \"\"\"Twice x.\"\"\"\n    return 2 * x\n"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    distill.write_corpus_file(tmp_path / "c.jsonl", tmp_path / "c.txt.xz", None)
+    doc = lzma.open(tmp_path / "c.txt.xz", "rt", encoding="utf-8").read().removesuffix(EOT)
+    assert doc == rows[0]["doc"] + "\n"
+    tok = Tokenizer.from_file(str(Path(DEFAULT_MODEL_DIR) / "tokenizer.json"))
+    bare_newline = tok.encode("\n").ids
+    assert tok.encode(rows[0]["doc"]).ids[-1:] == bare_newline          # the old ending: the bug
+    assert tok.encode(doc).ids[-1:] != bare_newline

@@ -81,6 +81,15 @@ def test_domains_and_init_options(tiny_dir, tmp_path):
     base = tmp_path / "base"
     train_heads.main(common + ["--out", str(base), "--phases", "data,train", "--domains", "code", "--n-prompts", "4",
                                "--gen-tokens", "8", "--gen-batch", "4", "--max-steps", "2"])
+    assert not (base / "dflash").exists()
+    # the ablation, trained later in its own call, matches the DSpark run on record
+    later = train_heads.main(common[:-4] + ["--ckpt-every", "0", "--out", str(base), "--phases", "dflash"])
+    assert later["dflash"]["steps"] == later["dspark"]["steps"] == 2 and (base / "dflash" / "config.json").exists()
+    assert len(later["commands"]) == 2 and "dflash" in later["commands"][1]
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "data.json").write_text((base / "data.json").read_text())
+    with pytest.raises(SystemExit, match="DSpark run on record"):
+        train_heads.main(common + ["--out", str(tmp_path / "nothing"), "--phases", "dflash"])
     tok = train_heads.Tokenizer(str(tiny_dir))
     prompts = [tok.decode(d["prompt"]) for d in json.loads((base / "data.json").read_text())]
     assert prompts and all(p.startswith("def add") for p in prompts)

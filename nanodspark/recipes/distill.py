@@ -26,10 +26,13 @@ the answer's code block.
 Output: `distill.txt.xz` in the corpus folder (one more training domain; chat-style answers as
 ChatML exchanges rendered exactly like the workloads' prompts, code as raw completions), and
 `distill.jsonl` next to it, appended as answers finish, so a stopped run resumes and a time
-budget always ends with a usable file.
+budget always ends with a usable file. `--name` / `--out-name` choose other file stems,
+`--kinds` which prompts to answer, `--samples code=3` how many answers per prompt, and
+`--write-only --keep-kinds math,chat,code` rewrites a corpus file from the answers already
+kept, filtered by kind (how `distill_code` and `distill_np` of 09 §4f were made).
 
 Walkthrough: chapter 04 §5b (the recipe, and how the teacher reaches the GPU); chapter 09 §4e
-(what two targets trained with it did to DSpark's acceptance).
+and §4f (what targets trained with it did to DSpark's acceptance).
 """
 from __future__ import annotations
 
@@ -55,7 +58,9 @@ TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Share of prompts per kind; the budget is spent round-robin in this proportion.
 KINDS = {"math": 0.25, "chat": 0.25, "poetry": 0.20, "code": 0.30}
-MAX_NEW = {"math": 224, "chat": 176, "poetry": 144, "code": 256}   # code repeats the docstring
+# Code repeats the signature and docstring before its body; at 256 tokens 5 of 16 CPU samples
+# were cut inside their code block, at 448 fewer (09_results.md §4e).
+MAX_NEW = {"math": 224, "chat": 176, "poetry": 144, "code": 448}
 SAMPLES = {"math": 1, "chat": 2, "poetry": 3, "code": 1}   # answers per prompt (there are few poems)
 MAX_CHITCHAT = 6000
 
@@ -193,8 +198,11 @@ def chat_first_turns(chat_text: str) -> list[str]:
     return out
 
 
-def build_prompts(corpus: Path, data_dir, seed: int) -> dict[str, list[dict]]:
-    """Per kind, a shuffled list of {"id", "kind", "text"} from training sources."""
+def build_prompts(corpus: Path, data_dir, seed: int, samples: dict | None = None) -> dict[str, list[dict]]:
+    """Per kind, a shuffled list of {"id", "kind", "text"} from training sources, each prompt
+    `samples[kind]` times (default SAMPLES; ids `kind-i-j` stay stable, so a run with more
+    samples resumes one with fewer)."""
+    samples = {**SAMPLES, **(samples or {})}
     rng = random.Random(seed)
 
     def read(name):
@@ -216,14 +224,14 @@ def build_prompts(corpus: Path, data_dir, seed: int) -> dict[str, list[dict]]:
         texts = [t for t in dict.fromkeys(texts) if index.find(t) is None]
         rng.shuffle(texts)
         out[kind] = [{"id": f"{kind}-{i}-{j}", "kind": kind, "text": t}
-                     for i, t in enumerate(texts) for j in range(SAMPLES[kind])]
+                     for i, t in enumerate(texts) for j in range(samples[kind])]
     return out
 
 
-def interleave(prompts: dict[str, list[dict]], done: set[str]) -> list[dict]:
-    """All not-yet-answered prompts, kinds mixed in the KINDS proportion (so that any prefix
-    of the list, i.e. any time budget, keeps that mix)."""
-    queues = {k: deque(p for p in v if p["id"] not in done) for k, v in prompts.items()}
+def interleave(prompts: dict[str, list[dict]], done: set[str], kinds=tuple(KINDS)) -> list[dict]:
+    """All not-yet-answered prompts of the chosen kinds, mixed in the KINDS proportion (so that
+    any prefix of the list, i.e. any time budget, keeps that mix)."""
+    queues = {k: deque(p for p in v if p["id"] not in done) for k, v in prompts.items() if k in kinds}
     credit = {k: 0.0 for k in queues}
     out = []
     while any(queues.values()):
@@ -271,6 +279,14 @@ def drop_echo(request: str, answer: str) -> str:
     return "\n".join(lines)
 
 
+def code_doc_ending(doc: str) -> str:
+    """A code completion ends in a blank line. Ending in one newline would put the BPE token
+    for a bare newline right before every end-of-text, and a HumanEval prompt ends in exactly
+    that token: a target trained on 2,000 such completions ends every code answer at once
+    (seen on the H200, 09_results.md §4e)."""
+    return doc.rstrip("\n") + "\n\n"
+
+
 def document(p: dict, answer: str, finished: bool) -> str | None:
     """The training document of one answered prompt, or None if the answer is unusable.
     An answer cut by the token limit gets no end-of-turn: the target must not learn to stop
@@ -304,17 +320,28 @@ def answer_batch(model, tok, batch: list[dict], temperature: float, top_p: float
     return list(zip(tok.batch_decode(new, skip_special_tokens=True), ended))
 
 
-def write_corpus_file(jsonl: Path, out: Path, data_dir) -> dict:
+def write_corpus_file(jsonl: Path, out: Path, data_dir, keep_kinds=tuple(KINDS)) -> dict:
+    """Write the usable, hygiene-checked answers of the chosen kinds as one corpus file."""
     rows = [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
-    usable = [r for r in rows if r["doc"] is not None]
+    usable = [dict(r, doc=code_doc_ending(r["doc"]) if r["kind"] == "code" else r["doc"])
+              for r in rows if r["doc"] is not None and r["kind"] in keep_kinds]
     index = NeedleIndex(all_needles(eval_needles(data_dir)))
     kept = [r for r in usable if index.find(r["doc"]) is None]
     with lzma.open(out, "wt", encoding="utf-8") as f:
         f.write("".join(r["doc"] + EOT for r in kept))
     return {"answered": {k: sum(r["kind"] == k for r in rows) for k in KINDS},
             "per_kind": {k: sum(r["kind"] == k for r in kept) for k in KINDS},
-            "docs": len(kept), "unusable": len(rows) - len(usable), "dropped_for_hygiene": len(usable) - len(kept),
+            "docs": len(kept), "unusable": sum(r["doc"] is None for r in rows),
+            "dropped_for_hygiene": len(usable) - len(kept), "kept_kinds": list(keep_kinds),
             "chars": sum(len(r["doc"]) for r in kept)}
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise SystemExit(f"unknown kinds {unknown}; choose from {list(KINDS)}")
+    return kinds
 
 
 def main(argv=None) -> None:
@@ -331,15 +358,32 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="kinds of prompt to answer (comma list)")
+    ap.add_argument("--name", default="distill", help="file stem of the answers (NAME.jsonl) in the corpus")
+    ap.add_argument("--out-name", default=None, help="file stem of the corpus file written (default: --name)")
+    ap.add_argument("--keep-kinds", default=",".join(KINDS), help="kinds written into the corpus file")
+    ap.add_argument("--write-only", action="store_true", help="answer nothing; rewrite the corpus file")
+    ap.add_argument("--samples", default="", help="answers per prompt by kind, e.g. code=3 (default SAMPLES)")
     args = ap.parse_args(argv)
+    kinds, keep = _kinds(args.kinds), _kinds(args.keep_kinds)
+    samples = {k: int(n) for k, n in (item.split("=") for item in args.samples.split(",") if item)}
+    _kinds(",".join(samples) or "code")
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = Path(args.corpus)
-    jsonl = corpus / "distill.jsonl"
+    jsonl = corpus / f"{args.name}.jsonl"
+    out_name = args.out_name or args.name
+    if args.write_only:
+        if not jsonl.exists():
+            raise SystemExit(f"--write-only needs {jsonl}")
+        stats = write_corpus_file(jsonl, corpus / f"{out_name}.txt.xz", args.data_dir, keep)
+        (corpus / f"{out_name}_manifest.json").write_text(json.dumps(stats, indent=1))
+        print(json.dumps(stats), flush=True)
+        return
     done = set()
     if jsonl.exists():
         done = {json.loads(line)["id"] for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()}
-    queue = interleave(build_prompts(corpus, args.data_dir, args.seed), done)
+    queue = interleave(build_prompts(corpus, args.data_dir, args.seed, samples), done, kinds)
     print(f"{len(queue)} prompts to answer ({len(done)} answered before)", flush=True)
     gdir = Path(args.teacher) if args.teacher else teacher_dir(Path(args.cache))
     model, tok = load_teacher(gdir, torch.device(args.device), torch.bfloat16)
@@ -363,9 +407,11 @@ def main(argv=None) -> None:
             if time.time() > deadline:
                 break
     bar.close()
-    stats = write_corpus_file(jsonl, corpus / "distill.txt.xz", args.data_dir)
-    stats.update(teacher=f"{TEACHER_WHEEL} {TEACHER_GGUF}", temperature=args.temperature, top_p=args.top_p)
-    (corpus / "distill_manifest.json").write_text(json.dumps(stats, indent=1))
+    stats = write_corpus_file(jsonl, corpus / f"{out_name}.txt.xz", args.data_dir, keep)
+    stats.update(teacher=f"{TEACHER_WHEEL} {TEACHER_GGUF}", temperature=args.temperature, top_p=args.top_p,
+                 samples={**SAMPLES, **samples},
+                 max_new=MAX_NEW, seconds=round(time.time() - deadline + 60 * args.minutes))
+    (corpus / f"{out_name}_manifest.json").write_text(json.dumps(stats, indent=1))
     print(json.dumps(stats), flush=True)
 
 

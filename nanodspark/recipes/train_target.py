@@ -7,7 +7,8 @@ of 8 experts with top-2 routing, so EPLB sees real, skewed expert loads. Embeddi
 
 Training uses the model code the engine serves (`nanodspark.model.CausalLM`) with a dense
 causal attention context, bf16 autocast, AdamW, a warm-up and a cosine schedule over a *time*
-budget (so one device call of a few minutes always ends with a checkpoint), a small
+budget (so one device call of a few minutes always ends with a checkpoint) or, with `--tokens`,
+over a token budget (so targets trained on machines of different speed compare), a small
 load-balancing loss on the routers, and sequences longer than the window. It keeps the
 checkpoint with the best mean validation loss and writes it in Hugging Face layout (bf16
 safetensors shards <= 15 MiB) with a JSON log of the loss curve and per-domain validation.
@@ -37,13 +38,20 @@ from .corpus import EOT
 # Share of training sequences drawn from each domain (code from this machine's Python sources).
 # "default" is the embedded target's recipe. The "distill" mixtures add answers of a pretrained
 # teacher (recipes/distill.py, a `distill.txt.xz` in the corpus), taking their share from the
-# other domains; they are the experiments of 09_results.md §4e.
+# other domains; they are the experiments of 09_results.md §4e and §4f (distill_code.txt.xz and
+# distill_np.txt.xz: the teacher's code answers alone, and its answers without poems).
 MIXTURES = {
     "default": {"code": 0.30, "docs": 0.14, "chat": 0.22, "math": 0.16, "literature": 0.12, "dict": 0.06},
     "distill10": {"code": 0.25, "docs": 0.14, "chat": 0.17, "math": 0.16, "literature": 0.12, "dict": 0.06,
                   "distill": 0.10},
     "distill25": {"code": 0.20, "docs": 0.10, "chat": 0.13, "math": 0.14, "literature": 0.12, "dict": 0.06,
                   "distill": 0.25},
+    # distill25 with 8 % more teacher code (distill_code.txt.xz: code prompts only, 448 tokens),
+    # taken from natural code; "_np" uses the teacher's answers without its poems (distill_np).
+    "distill25c": {"code": 0.12, "docs": 0.10, "chat": 0.13, "math": 0.14, "literature": 0.12, "dict": 0.06,
+                   "distill": 0.25, "distill_code": 0.08},
+    "distill25c_np": {"code": 0.12, "docs": 0.10, "chat": 0.13, "math": 0.14, "literature": 0.12, "dict": 0.06,
+                      "distill_np": 0.25, "distill_code": 0.08},
 }
 VAL_DOMAINS = ("math", "chat", "poetry", "code", "shakespeare")
 
@@ -165,8 +173,10 @@ def train(args) -> dict:
     from tokenizers import Tokenizer
     from tqdm import tqdm
     mixture = MIXTURES[args.mixture]
-    if "distill" in mixture and not (Path(args.corpus) / "distill.txt.xz").exists():
-        raise SystemExit(f"mixture {args.mixture!r} needs distill.txt.xz in {args.corpus} (recipes/distill.py)")
+    missing = [n for n in mixture if n.startswith("distill") and not (Path(args.corpus) / f"{n}.txt.xz").exists()]
+    if missing:
+        raise SystemExit(f"mixture {args.mixture!r} needs {', '.join(n + '.txt.xz' for n in missing)} in "
+                         f"{args.corpus} (recipes/distill.py)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     tok = Tokenizer.from_file(str(args.tokenizer))
@@ -194,9 +204,12 @@ def train(args) -> dict:
            "mixture": {k: v for k, v in mixture.items() if k in train_s}}
     best, best_state, step, tokens = float("inf"), None, 0, 0
     start = last_eval = time.time()
-    bar = tqdm(total=int(args.seconds), desc="train (s)", unit="s")
+    # The schedule runs on time, or on tokens when --tokens is given (so that targets trained
+    # on machines of different speed see the same data).
+    bar = tqdm(total=int(args.tokens or args.seconds), desc="train (tokens)" if args.tokens else "train (s)",
+               unit="tok" if args.tokens else "s", unit_scale=bool(args.tokens))
     while True:
-        frac = (time.time() - start) / args.seconds
+        frac = tokens / args.tokens if args.tokens else (time.time() - start) / args.seconds
         if frac >= 1 or (args.max_steps and step >= args.max_steps):
             break
         lr = args.lr * (min(1.0, frac / args.warmup) if frac < args.warmup else
@@ -218,7 +231,7 @@ def train(args) -> dict:
             el = time.time() - start
             log["curve"].append({"step": step, "seconds": round(el, 1), "tokens": tokens,
                                  "loss": round(loss.detach().item(), 4), "aux": round(float(aux), 4), "lr": lr})
-            bar.n = int(el)
+            bar.n = tokens if args.tokens else int(el)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / el:.0f}")
         if time.time() - last_eval > args.eval_every or (args.max_steps and step == args.max_steps):
             last_eval = time.time()
@@ -271,12 +284,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=str(Path(__file__).parents[1] / "assets/default/tokenizer.json"))
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=150.0, help="training time budget")
+    p.add_argument("--tokens", type=float, default=0, help="training token budget (replaces --seconds)")
     p.add_argument("--mixture", choices=sorted(MIXTURES), default="default", help="domain shares (MIXTURES)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = time only)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=float, default=0.03, help="fraction of the time budget")
+    p.add_argument("--warmup", type=float, default=0.03, help="fraction of the time (or token) budget")
     p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the router balance loss")
     p.add_argument("--eval-every", type=float, default=20.0, help="seconds between validations")
     p.add_argument("--code-mb", type=float, default=0.0, help="MB of extra code from site-packages")
