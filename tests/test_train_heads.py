@@ -148,3 +148,16 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_dir, tmp_path):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0, msg=k)
     assert any(not torch.equal(wa[k], at2[k]) for k in wa if k.startswith("param."))   # steps 3-4 did train
+
+
+def test_stripped_code_prompts_end_before_the_bare_newline():
+    """--strip-code-prompts: a HumanEval prompt without its trailing newline; chat prompts keep
+    their assistant header's newline."""
+    from nanodspark.loader import DEFAULT_MODEL_DIR
+    tok = train_heads.Tokenizer(str(DEFAULT_MODEL_DIR))
+    as_is = train_heads.workload_prompts(tok, "code", 3, None)
+    stripped = train_heads.workload_prompts(tok, "code", 3, None, strip=True)
+    newline = tok.encode("\n")
+    for a, s in zip(as_is, stripped):
+        assert a[-1:] == newline and s[-1:] != newline and tok.decode(a).rstrip() == tok.decode(s)
+    assert train_heads.workload_prompts(tok, "chat", 2, None, strip=True) == train_heads.workload_prompts(tok, "chat", 2, None)
