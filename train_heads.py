@@ -287,16 +287,14 @@ def repeated_ngram_fraction(pairs, n: int = 4) -> float:
 
 
 def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir, at_most: bool = False,
-                     strip: bool = False) -> list[list[int]]:
+                     as_shipped: bool = False) -> list[list[int]]:
     """n prompts of a workload (`at_most`: all of them if it has fewer, e.g. chat has 80).
-    `strip` drops a completion prompt's trailing whitespace: a HumanEval prompt ends in a bare
-    newline token, which our BPE otherwise merges with the next line's indentation, so the
-    target is asked to go on from a token boundary it never saw before a function body
-    (09_results.md §4f; bigcode-evaluation-harness strips HumanEval prompts by default)."""
+    `as_shipped` puts back the trailing newline the code workload strips from HumanEval's
+    prompts (how code was measured before session 8; 09_results.md §4f)."""
     from nanodspark.workloads import load_workload, workload_size
     if at_most:
         n = min(n, workload_size(name, data_dir))
-    return [tok.encode(p.render().rstrip() if strip and not p.as_chat else p.render())
+    return [tok.encode(p.render() + (p.meta.get("cut", "") if as_shipped else ""))
             for p in load_workload(name, n=n, data_dir=data_dir)]
 
 
@@ -306,7 +304,7 @@ def evaluate(args, drafter_dirs: dict, tok: Tokenizer) -> dict:
         llm = LLM(args.target, drafter_path=str(ddir), verify_mode="static", max_num_seqs=128, use_tqdm=False)
         for wl in args.eval_workloads.split(","):
             prompts = workload_prompts(tok, wl, args.eval_n, args.data_dir, at_most=True,
-                                       strip=args.strip_code_prompts)
+                                       as_shipped=args.code_prompts_as_shipped)
             for temp in (0.0, 1.0):
                 params = SamplingParams(temperature=temp, max_tokens=args.eval_tokens, seed=args.seed)
                 *_, m = record_spec(llm, prompts, params)
@@ -437,8 +435,8 @@ def main(argv=None):
     ap.add_argument("--eval-n", type=int, default=40, help="prompts per workload for tau (at most all of it)")
     ap.add_argument("--eval-tokens", type=int, default=96)
     ap.add_argument("--eval-workloads", default="math,chat,poetry,code", help="workloads of the eval phase")
-    ap.add_argument("--strip-code-prompts", action="store_true",
-                    help="eval code prompts without their trailing newline (09_results.md §4f)")
+    ap.add_argument("--code-prompts-as-shipped", action="store_true",
+                    help="eval code on HumanEval's prompts with their trailing newline (09_results.md §4f)")
     ap.add_argument("--proxy-n", type=int, default=100, help="documents per workload for the text proxy")
     ap.add_argument("--proxy-tokens", type=int, default=384, help="tokens per document for the text proxy")
     ap.add_argument("--seed", type=int, default=0)

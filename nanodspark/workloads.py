@@ -8,7 +8,7 @@ across runs and machines:
     poetry  held-out songs-poems: the opening lines and an   (low acceptance)
             instruction to continue, as one user turn
     code    HumanEval prompts (signature + docstring), as    (high acceptance)
-            raw text to complete
+            raw text to complete, trailing newline stripped
     mix     the four above, interleaved round-robin
 
 The data files are not part of the repository. They are read from `data_dir`, which defaults
@@ -243,10 +243,18 @@ def _poetry(data_dir) -> list[Prompt]:
 
 
 def _code(data_dir) -> list[Prompt]:
+    # A HumanEval prompt ends in a newline, and our BPE merges a newline with the indentation
+    # after it: ending on a bare newline asks the target to go on from a token it almost never
+    # saw before a function body, and it writes new module-level code instead (09_results.md
+    # §4f). So the prompt is stripped, as bigcode-evaluation-harness's default `humaneval`
+    # task does; meta["cut"] keeps what was cut (figures before session 8 kept it).
     rows = read_jsonl(data_file(DATA_FILES["code"], data_dir))
-    return [Prompt("code", r["task_id"], False, text=r["prompt"],
-                   meta={"entry_point": r["entry_point"]})
-            for r in rows]
+    out = []
+    for r in rows:
+        text = r["prompt"].rstrip()
+        out.append(Prompt("code", r["task_id"], False, text=text,
+                          meta={"entry_point": r["entry_point"], "cut": r["prompt"][len(text):]}))
+    return out
 
 
 _LOADERS = {"math": _math, "chat": _chat, "poetry": _poetry, "code": _code}

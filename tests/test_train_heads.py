@@ -150,14 +150,15 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_dir, tmp_path):
     assert any(not torch.equal(wa[k], at2[k]) for k in wa if k.startswith("param."))   # steps 3-4 did train
 
 
-def test_stripped_code_prompts_end_before_the_bare_newline():
-    """--strip-code-prompts: a HumanEval prompt without its trailing newline; chat prompts keep
-    their assistant header's newline."""
+def test_code_prompts_end_before_the_bare_newline():
+    """The code workload strips HumanEval's trailing newline; --code-prompts-as-shipped puts it
+    back. Chat prompts are the same either way."""
     from nanodspark.loader import DEFAULT_MODEL_DIR
     tok = train_heads.Tokenizer(str(DEFAULT_MODEL_DIR))
-    as_is = train_heads.workload_prompts(tok, "code", 3, None)
-    stripped = train_heads.workload_prompts(tok, "code", 3, None, strip=True)
+    stripped = train_heads.workload_prompts(tok, "code", 3, None)
+    shipped = train_heads.workload_prompts(tok, "code", 3, None, as_shipped=True)
     newline = tok.encode("\n")
-    for a, s in zip(as_is, stripped):
+    for a, s in zip(shipped, stripped):
         assert a[-1:] == newline and s[-1:] != newline and tok.decode(a).rstrip() == tok.decode(s)
-    assert train_heads.workload_prompts(tok, "chat", 2, None, strip=True) == train_heads.workload_prompts(tok, "chat", 2, None)
+    assert (train_heads.workload_prompts(tok, "chat", 2, None, as_shipped=True)
+            == train_heads.workload_prompts(tok, "chat", 2, None))

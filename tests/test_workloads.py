@@ -46,6 +46,10 @@ def test_workload_contents():
     assert {p.meta["category"] for p in chat} >= {"writing", "coding", "math"}
     code = W.load_workload("code")
     assert all(not p.as_chat and "def " + p.meta["entry_point"] + "(" in p.text for p in code)
+    # stripped of HumanEval's trailing newline (a bare-newline token; 09_results.md §4f)
+    he = {r["task_id"]: r["prompt"] for r in W.read_jsonl(W.data_file("HumanEval.jsonl.gz"))}
+    assert all(p.text == p.text.rstrip() and p.text + p.meta["cut"] == he[p.id] for p in code)
+    assert all(p.meta["cut"] for p in code)
     assert {p.id for p in code} == {f"HumanEval/{i}" for i in range(164)}
     poetry = W.load_workload("poetry")
     for p in poetry:
