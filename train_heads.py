@@ -517,7 +517,7 @@ def load_report(out: Path) -> dict:
 def save_report(out: Path, report: dict) -> dict:
     """Merge into out/report.json after every phase, so an interrupted run keeps what it finished."""
     path = out / "report.json"
-    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged = load_report(out)
     merged.update(report)
     path.write_text(json.dumps(merged, indent=1, default=str))
     return merged

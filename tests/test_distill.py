@@ -100,6 +100,10 @@ def test_interleave_keeps_the_mix_in_every_prefix():
     assert [p["id"] for p in only_code] == [f"code-{i}" for i in range(400) if i != 3]
     with pytest.raises(SystemExit, match="unknown kinds"):
         distill._kinds("code,poems")
+    assert distill._samples("code=3,poetry=1") == {"code": 3, "poetry": 1} and distill._samples("") == {}
+    for bad in ("code=0", "code", "poems=2", "code=x"):
+        with pytest.raises(SystemExit, match="--samples"):
+            distill._samples(bad)
 
 
 def test_prompts_come_from_training_sources_only(tmp_path):

@@ -282,8 +282,8 @@ def drop_echo(request: str, answer: str) -> str:
 def code_doc_ending(doc: str) -> str:
     """A code completion ends in a blank line. Ending in one newline would put the BPE token
     for a bare newline right before every end-of-text, and a HumanEval prompt ends in exactly
-    that token: a target trained on 2,000 such completions ends every code answer at once
-    (seen on the H200, 09_results.md §4e)."""
+    that token: targets trained on 2,000 such completions ended most code answers at once
+    (seen on the H200, 09_results.md §4f)."""
     return doc.rstrip("\n") + "\n\n"
 
 
@@ -344,6 +344,17 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
+def _samples(text: str) -> dict[str, int]:
+    """`code=3,poetry=2` -> {"code": 3, "poetry": 2}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        kind, _, n = item.partition("=")
+        if kind not in KINDS or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--samples wants KIND=N with KIND in {list(KINDS)} and N >= 1, got {item!r}")
+        out[kind] = int(n)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", default="build/corpus", help="corpus folder; distill.txt.xz is written into it")
@@ -366,8 +377,7 @@ def main(argv=None) -> None:
     ap.add_argument("--samples", default="", help="answers per prompt by kind, e.g. code=3 (default SAMPLES)")
     args = ap.parse_args(argv)
     kinds, keep = _kinds(args.kinds), _kinds(args.keep_kinds)
-    samples = {k: int(n) for k, n in (item.split("=") for item in args.samples.split(",") if item)}
-    _kinds(",".join(samples) or "code")
+    samples = _samples(args.samples)
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = Path(args.corpus)
@@ -388,7 +398,8 @@ def main(argv=None) -> None:
     gdir = Path(args.teacher) if args.teacher else teacher_dir(Path(args.cache))
     model, tok = load_teacher(gdir, torch.device(args.device), torch.bfloat16)
     torch.manual_seed(args.seed + len(done))
-    deadline = time.time() + 60 * args.minutes
+    started = time.time()
+    deadline = started + 60 * args.minutes
     bar = tqdm(total=len(queue), desc="distill", unit="prompt")
     with jsonl.open("a", encoding="utf-8") as f:
         # Batches are cut from a window sorted by length so that padding stays small; the window
@@ -410,7 +421,7 @@ def main(argv=None) -> None:
     stats = write_corpus_file(jsonl, corpus / f"{out_name}.txt.xz", args.data_dir, keep)
     stats.update(teacher=f"{TEACHER_WHEEL} {TEACHER_GGUF}", temperature=args.temperature, top_p=args.top_p,
                  samples={**SAMPLES, **samples},
-                 max_new=MAX_NEW, seconds=round(time.time() - deadline + 60 * args.minutes))
+                 max_new=MAX_NEW, seconds=round(time.time() - started))
     (corpus / f"{out_name}_manifest.json").write_text(json.dumps(stats, indent=1))
     print(json.dumps(stats), flush=True)
 
