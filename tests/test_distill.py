@@ -200,3 +200,25 @@ def test_code_completions_end_in_a_blank_line(tmp_path):
     bare_newline = tok.encode("\n").ids
     assert tok.encode(rows[0]["doc"]).ids[-1:] == bare_newline          # the old ending: the bug
     assert tok.encode(doc).ids[-1:] != bare_newline
+
+
+def test_export_target_writes_a_checkpoint_the_engine_loads(tmp_path, monkeypatch):
+    """--export-target: the teacher, saved in Hugging Face layout, loads as an engine target
+    (a tiny random Llama stands in for the GGUF, which CI does not download)."""
+    import transformers
+    from nanodspark.loader import DEFAULT_MODEL_DIR, load_model
+    cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(DEFAULT_MODEL_DIR) / "tokenizer.json"))
+    monkeypatch.setattr(distill, "load_teacher", lambda gdir, device, dtype: (model, tok))
+    distill.main(["--teacher", str(tmp_path), "--export-target", str(tmp_path / "t")])
+    ours = load_model(str(tmp_path / "t"), dtype=torch.float32)
+    assert ours.config.architecture == "llama" and not ours.config.qk_norm
+    x = torch.tensor([5, 6, 7, 8])
+    with torch.no_grad():
+        want = model.float()(x[None]).logits[0]
+    from nanodspark.model import DenseAttentionContext
+    with torch.no_grad():
+        got = ours.compute_logits(ours(x, torch.arange(4), DenseAttentionContext(1, 4)).hidden)
+    assert torch.allclose(got, want, atol=2e-2), (got - want).abs().max()

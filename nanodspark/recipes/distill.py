@@ -30,6 +30,8 @@ budget always ends with a usable file. `--name` / `--out-name` choose other file
 `--kinds` which prompts to answer, `--samples code=3` how many answers per prompt, and
 `--write-only --keep-kinds math,chat,code` rewrites a corpus file from the answers already
 kept, filtered by kind (how `distill_code` and `distill_np` of 09 §4f were made).
+`--export-target DIR` writes the teacher itself as a checkpoint the engine serves as a target
+(09 §4g).
 
 Walkthrough: chapter 04 §5b (the recipe, and how the teacher reaches the GPU); chapter 09 §4e
 and §4f (what targets trained with it did to DSpark's acceptance).
@@ -336,6 +338,16 @@ def write_corpus_file(jsonl: Path, out: Path, data_dir, keep_kinds=tuple(KINDS))
             "chars": sum(len(r["doc"]) for r in kept)}
 
 
+def export_teacher(gdir: Path, out: Path) -> Path:
+    """Write the teacher as a Hugging Face checkpoint (bf16 safetensors shards <= 15 MB,
+    config.json, tokenizer) that the engine serves as a *target* (`LLM(out)`; a Llama with tied
+    embeddings and ChatML). 09_results.md §4g trains a DSpark drafter for it."""
+    model, tok = load_teacher(gdir, torch.device("cpu"), torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size="15MB")
+    tok.save_pretrained(str(out))
+    return out
+
+
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k for k in text.split(",") if k)
     unknown = [k for k in kinds if k not in KINDS]
@@ -375,11 +387,17 @@ def main(argv=None) -> None:
     ap.add_argument("--keep-kinds", default=",".join(KINDS), help="kinds written into the corpus file")
     ap.add_argument("--write-only", action="store_true", help="answer nothing; rewrite the corpus file")
     ap.add_argument("--samples", default="", help="answers per prompt by kind, e.g. code=3 (default SAMPLES)")
+    ap.add_argument("--export-target", default=None, metavar="DIR",
+                    help="answer nothing; write the teacher as a checkpoint the engine serves as a target")
     args = ap.parse_args(argv)
     kinds, keep = _kinds(args.kinds), _kinds(args.keep_kinds)
     samples = _samples(args.samples)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.export_target:
+        gdir = Path(args.teacher) if args.teacher else teacher_dir(Path(args.cache))
+        print("wrote", export_teacher(gdir, Path(args.export_target)), flush=True)
+        return
     corpus = Path(args.corpus)
     jsonl = corpus / f"{args.name}.jsonl"
     out_name = args.out_name or args.name
