@@ -168,7 +168,9 @@ class BlockManager:
         `start` on. Publishes the blocks that became full, so later prompts can hit them. A
         caller that passes only the tokens from `published_tokens(table)` on pays for the new
         tokens, not for the whole request, every step."""
-        assert start + len(token_ids) <= table.num_tokens, "committing tokens without reserved slots"
+        assert start + len(token_ids) <= table.num_tokens, (
+            f"committing tokens without reserved slots: positions {start}..{start + len(token_ids)} "
+            f"of a table reserved for {table.num_tokens} ({table.num_hashed_blocks} blocks published)")
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
