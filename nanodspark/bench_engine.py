@@ -199,8 +199,9 @@ def dspark_bench(args) -> dict:
                       max_num_seqs=max(args.concurrency), use_tqdm=False, kv_cache_memory_gb=args.kv_gb,
                       max_num_batched_tokens=8192, enable_prefix_cache=False, **extra)
             for name, drafter, mode, extra in engines} if args.concurrency else {}
+    # A bare --concurrency builds no sweep engines: only the mixed traffic below runs.
+    tok = llms["static"].tokenizer if llms else None
     for wl in args.workloads if llms else ():
-        tok = llms["static"].tokenizer
         for c in args.concurrency:
             n = max(c, args.min_requests)
             ps = bench_prompts(wl, n, args.data_dir)

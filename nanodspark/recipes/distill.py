@@ -323,7 +323,9 @@ def answer_batch(model, tok, batch: list[dict], temperature: float, top_p: float
 
 
 def write_corpus_file(jsonl: Path, out: Path, data_dir, keep_kinds=tuple(KINDS)) -> dict:
-    """Write the usable, hygiene-checked answers of the chosen kinds as one corpus file."""
+    """Write the usable, hygiene-checked answers of the chosen kinds as one corpus file. Code
+    completions get their blank-line ending here (`code_doc_ending`), not in `document`, so
+    that answers recorded before that rule are written correctly too."""
     rows = [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
     usable = [dict(r, doc=code_doc_ending(r["doc"]) if r["kind"] == "code" else r["doc"])
               for r in rows if r["doc"] is not None and r["kind"] in keep_kinds]
