@@ -236,10 +236,21 @@ class Scheduler:
                 self._allocate(req)
             except NoFreeBlocks:
                 break
+            # A prefix hit can leave only the last token to compute: then the request decodes in
+            # this very step and needs slots for a whole verify window, not only for its tokens.
+            rows = decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+            fits = rows <= budget
+            if fits:
+                try:
+                    self._grow(req, req.num_computed + rows)
+                except NoFreeBlocks:
+                    fits = False
+            if not fits:
+                self.free(req)       # stays first in the queue; allocated again next step
+                break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            rows = min(req.num_tokens - req.num_computed, budget)
             plan.append((req, rows))
             budget -= rows
         return plan

@@ -47,6 +47,9 @@ class ModelRunner:
 
     def _slots(self, table: BlockTable, positions: range, skip_below: int) -> list[int]:
         bs = self.block_size
+        # Writing past the reservation would land in a block another request may own.
+        assert not positions or positions[-1] < table.num_tokens, (
+            f"positions up to {positions[-1]} on a table reserved for {table.num_tokens}")
         return [-1 if p < skip_below or table.blocks[p // bs] < 0
                 else table.blocks[p // bs] * bs + p % bs for p in positions]
 

@@ -205,3 +205,26 @@ def test_block_accept_ceiling_sees_through_trimming(tiny_dir, drafter_dir, mode)
 def test_token_budget_must_hold_a_verify_window(tiny_dir, drafter_dir):
     with pytest.raises(ValueError, match="verify window"):
         LLM(str(tiny_dir), drafter_path=str(drafter_dir), max_num_batched_tokens=3)
+
+
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_full_prefix_hit_reserves_a_whole_verify_window(tmp_path_factory, mode):
+    """On a target with only full attention (like SmolLM2: no sliding window, so no SWA replay),
+    a prompt of k * block_size + 1 tokens that is fully cached leaves only its last token to
+    compute, and is admitted straight into decoding: it needs slots for anchor + gamma drafts in
+    its very first step (the engine once reserved only its tokens, and the commit overran the
+    table). Repeating the prompts, greedy then sampled, must stay target-only greedy and leak
+    nothing."""
+    target, _ = make_hf_model("llama", tmp_path_factory.mktemp("llama_full"), vocab_size=8192)
+    ddir = make_drafter(target, tmp_path_factory.mktemp("llama_drafter"))
+    base = LLM(str(target), use_tqdm=False)
+    spec = LLM(str(target), use_tqdm=False, drafter_path=str(ddir), verify_mode=mode, block_size=4)
+    assert "sliding" not in spec.engine.scheduler.managers
+    ps = [p[:n] for p, n in zip(prompts(6, 8192, seed=11, lo=30, hi=40), (9, 13, 17, 10, 21, 5))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in base.generate(ps, greedy)]
+    for _ in range(2):  # the second pass hits the prefix cache for every prompt
+        assert [o.token_ids for o in spec.generate(ps, greedy)] == want
+    sampled = spec.generate(ps, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3))
+    assert all(len(o.token_ids) == 12 for o in sampled)
+    check_no_leak(spec)
