@@ -16,6 +16,7 @@ table (no GPU). `pareto` draws a sweep as a PNG.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -179,8 +180,7 @@ def bench_prompts(workload: str, n: int, data_dir=None) -> list:
 
 def dspark_bench(args) -> dict:
     from . import LLM, SamplingParams
-    from .workloads import load_workload
-    rows, paired, mixed = [], [], {}
+    rows, paired = [], []
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
     # All engines stay loaded and their runs are interleaved, so a slow drift of the machine
     # (clocks, host load) hits every mode alike; the order rotates every repeat (A B C, B C A,
@@ -234,25 +234,13 @@ def dspark_bench(args) -> dict:
                 Path(args.out).write_text(json.dumps({"partial": True, **environment(), "sweep": rows,
                                                       "paired_compact_over_static": paired}))
     del llms
-    # mixed traffic, windows per workload and utilisation vs the ceiling (cap-accept)
-    llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
-              max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
-    tok = llm.tokenizer
-    ps = load_workload("mix", n=args.mixed_requests, data_dir=args.data_dir)
-    r = run_traffic(llm, [tok.encode(p.render())[-args.prompt_tokens:] for p in ps], [p.workload for p in ps], params)
-    for w, s in r["by_workload"].items():
-        mixed[w] = {"mean_window": round(s["verified"] / max(1, s["steps"]), 3),
-                    "tau": round(s["committed"] / max(1, s["steps"]), 3),
-                    "ceiling_tau": round(s["ceiling"] / max(1, s["steps"]), 3),
-                    "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
-    estimator = llm.engine.spec.summary()["ceiling"]
-    result = {"benchmark": "dspark economics on the default pair (trained weights)", **environment(),
+    mixed = mixed_traffic(args, params) if args.mixed_requests else None
+    result = {"benchmark": f"dspark economics on {'the pair in ' + args.model if args.model else 'the default pair'}"
+                           " (trained weights)", **environment(),
               "model": args.model or "default (nanodspark/assets/default)",
               "temperature": args.temperature, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "sweep": rows, "paired_compact_over_static": paired,
-              "mixed_traffic_cap_accept": {"concurrency": args.mixed_concurrency, "by_workload": mixed,
-                                           "block_accept_estimator": estimator},
-              "cost_table": args.cost_table}
+              "mixed_traffic_cap_accept": mixed, "cost_table": args.cost_table}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         if rows:
@@ -265,10 +253,37 @@ def dspark_bench(args) -> dict:
         extra = "".join(f"  {k}/static {q[k + '_over_static']} ({q[k + '_min']}-{q[k + '_max']})"
                         for k in ("no_trim", "aa") if k + "_over_static" in q)
         print(f"{q['workload']:8} {q['concurrency']:>5} {q['compact_over_static']:>8} ({q['min']}-{q['max']}){extra}")
-    print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
-    for w, m in mixed.items():
-        print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")
+    if mixed:
+        print(f"\n{'workload':8} {'window':>7} {'tau':>6} {'ceiling':>8} {'util':>6}")
+        for w, m in mixed["by_workload"].items():
+            print(f"{w:8} {m['mean_window']:>7} {m['tau']:>6} {m['ceiling_tau']:>8} {m['utilisation']:>6}")
     return result
+
+
+def mixed_traffic(args, params) -> dict:
+    """Mixed workloads in one batch under cap-accept: the mean window and tau of each workload,
+    and utilisation = committed / what full-block verify would have committed (the ceiling)."""
+    from . import LLM
+    from .workloads import load_workload
+    llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
+              max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
+    tok = llm.tokenizer
+    ps = load_workload("mix", n=args.mixed_requests, data_dir=args.data_dir)
+    r = run_traffic(llm, [tok.encode(p.render())[-args.prompt_tokens:] for p in ps], [p.workload for p in ps], params)
+    by = {w: {"mean_window": round(s["verified"] / max(1, s["steps"]), 3),
+              "tau": round(s["committed"] / max(1, s["steps"]), 3),
+              "ceiling_tau": round(s["ceiling"] / max(1, s["steps"]), 3),
+              "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
+          for w, s in r["by_workload"].items()}
+    return {"concurrency": args.mixed_concurrency, "by_workload": by,
+            "block_accept_estimator": llm.engine.spec.summary()["ceiling"]}
+
+
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 def add_dspark_args(p) -> None:
@@ -287,7 +302,8 @@ def add_dspark_args(p) -> None:
     p.add_argument("--no-trim", action="store_true",
                    help="also run compact with a guard no gain can pass (its overhead alone), paired with static")
     p.add_argument("--mixed-concurrency", type=int, default=64)
-    p.add_argument("--mixed-requests", type=int, default=128)
+    p.add_argument("--mixed-requests", type=_non_negative, default=128,
+                   help="requests of the mixed-traffic table (0: no mixed traffic, only the sweep)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--out", default="")

@@ -1,9 +1,12 @@
 """The benchmark harness runs end to end on a tiny model (no timing is asserted: the figures
 only mean something on the GPU, where `python -m nanodspark.bench ...` produces them)."""
+import argparse
 import json
 import shutil
 import types
 from pathlib import Path
+
+import pytest
 
 from nanodspark import bench_engine as be
 from nanodspark import bench_profile as bp
@@ -203,3 +206,18 @@ def test_dspark_bench_without_concurrencies_runs_only_the_mixed_traffic(tiny_dir
     assert set(by) == {"math", "chat", "poetry", "code"} and sum(m["requests"] for m in by.values()) == 4
     assert all(m["tau"] >= 1 for m in by.values())           # every step commits at least the bonus token
     assert json.loads(out.read_text())["temperature"] == 1.0 and not out.with_suffix(".png").exists()
+
+
+def test_dspark_bench_with_no_mixed_requests_runs_only_the_sweep(tiny_dir, tmp_path):
+    """--mixed-requests 0 skips the mixed traffic (it once crashed on an empty median)."""
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    res = be.dspark_bench(types.SimpleNamespace(
+        model=str(model), cost_table=None, concurrency=[2], workloads=["mix"], min_requests=2,
+        max_tokens=4, prompt_tokens=32, temperature=0.0, mixed_concurrency=2, mixed_requests=0, data_dir=None,
+        kv_gb=0.05, out="", repeats=1))
+    assert res["mixed_traffic_cap_accept"] is None
+    assert {r["mode"] for r in res["sweep"]} == {"no-spec", "static", "compact"} and str(model) in res["benchmark"]
+    with pytest.raises(argparse.ArgumentTypeError, match="0 or more"):
+        be._non_negative("-1")
