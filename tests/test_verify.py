@@ -228,3 +228,14 @@ def test_full_prefix_hit_reserves_a_whole_verify_window(tmp_path_factory, mode):
     sampled = spec.generate(ps, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3))
     assert all(len(o.token_ids) == 12 for o in sampled)
     check_no_leak(spec)
+    # A pool too small for the batch: preempted requests come back through admission, where
+    # their own published blocks are prefix hits.
+    small = LLM(str(target), use_tqdm=False, drafter_path=str(ddir), verify_mode=mode, block_size=4,
+                num_kv_blocks=24)
+    preempted = []
+    orig = small.engine.scheduler.preempt
+    small.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), orig(r))
+    for _ in range(2):
+        assert [o.token_ids for o in small.generate(ps, greedy)] == want
+    assert preempted, "the test did not exercise preemption"
+    check_no_leak(small)
