@@ -86,6 +86,25 @@ def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> 
     return out[:n]
 
 
+def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=TRAIN_DOMAINS) -> dict:
+    """A small copy of the corpus that still serves `training_prompts`: per domain, its first
+    `docs` documents longer than 80 characters, each cut to `chars` characters (a prompt uses at
+    most the first 400, or the text up to the assistant header). It lets the prompts travel with
+    a large target, as the SmolLM2 run of 09_results.md §4g did (5,000 and 6,000)."""
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    for dom in domains:
+        src = corpus / f"{dom}.txt.xz"
+        if not src.exists():
+            continue
+        with lzma.open(src, "rt", encoding="utf-8") as f:
+            keep = [d[:chars] for d in f.read().split(EOT) if len(d) > 80][:docs]
+        with lzma.open(out / src.name, "wt", encoding="utf-8") as f:
+            f.write(EOT.join(keep))
+        kept[dom] = len(keep)
+    return kept
+
+
 def build_data(args, tok: Tokenizer) -> list[dict]:
     prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed, tuple(args.domains.split(",")))
     llm = LLM(args.target, drafter_path="none", max_num_seqs=args.gen_batch, use_tqdm=True,
@@ -440,7 +459,16 @@ def main(argv=None):
     ap.add_argument("--proxy-n", type=int, default=100, help="documents per workload for the text proxy")
     ap.add_argument("--proxy-tokens", type=int, default=384, help="tokens per document for the text proxy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-prompt-corpus", default=None, metavar="DIR",
+                    help="only write a small copy of --corpus for training prompts to DIR, then exit")
+    ap.add_argument("--prompt-corpus-docs", type=int, default=5000, help="documents per domain it keeps")
+    ap.add_argument("--prompt-corpus-chars", type=int, default=6000, help="characters per document it keeps")
     args = ap.parse_args(argv)
+    if args.write_prompt_corpus:
+        kept = write_prompt_corpus(Path(args.corpus), Path(args.write_prompt_corpus), args.prompt_corpus_docs,
+                                   args.prompt_corpus_chars, tuple(args.domains.split(",")))
+        print("wrote", args.write_prompt_corpus, kept)
+        return kept
     args.target = str(resolve_model_dir(args.target))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

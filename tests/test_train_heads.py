@@ -163,3 +163,23 @@ def test_code_prompts_end_before_the_bare_newline():
         assert a[-1:] == newline and s[-1:] != newline and tok.decode(a).rstrip() == tok.decode(s)
     assert (train_heads.workload_prompts(tok, "chat", 2, None, as_shipped=True)
             == train_heads.workload_prompts(tok, "chat", 2, None))
+
+
+def test_prompt_corpus_keeps_the_first_documents_cut_short(tmp_path):
+    """--write-prompt-corpus keeps, per domain, the first N documents longer than 80 characters,
+    each cut to C characters, and training prompts can be drawn from the copy."""
+    src, out, eot = tmp_path / "src", tmp_path / "small", train_heads.EOT
+    src.mkdir()
+    docs = {"chat": [f"user {i} " * 30 for i in range(6)], "math": ["short"] + [f"sum {i} " * 40 for i in range(5)]}
+    for dom, ds in docs.items():
+        with lzma.open(src / f"{dom}.txt.xz", "wt", encoding="utf-8") as f:
+            f.write(eot.join(ds))
+    kept = train_heads.main(["--corpus", str(src), "--write-prompt-corpus", str(out), "--domains", "chat,math",
+                             "--prompt-corpus-docs", "3", "--prompt-corpus-chars", "100"])
+    assert kept == {"chat": 3, "math": 3}
+    for dom, ds in docs.items():
+        with lzma.open(out / f"{dom}.txt.xz", "rt", encoding="utf-8") as f:
+            got = f.read().split(eot)
+        assert got == [d[:100] for d in ds if len(d) > 80][:3]       # "short" is skipped, order kept
+    prompts = train_heads.training_prompts(out, 4, 0, ("chat", "math"))
+    assert len(prompts) == 4 and all(any(d.startswith(p) for ds in docs.values() for d in ds) for p in prompts)
