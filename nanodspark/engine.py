@@ -17,8 +17,10 @@ the front of the queue, to be recomputed from its prompt *and* its output so far
 exact under greedy decoding, and seeded sampling keeps its generator). No request is dropped;
 one that could never fit in the whole cache is refused at `add_request` with a `ValueError`.
 
-Invariants: a request's block tables cover exactly its reserved tokens; a finished or aborted
-request holds no blocks; `num_computed <= len(prompt) + len(output)`. Walkthrough chapter 01.
+Invariants: a request's block tables cover exactly its reserved tokens; every row a step
+computes has a reserved slot (a decoding request reserves its whole verify window, also when it
+is admitted decoding after a full prefix hit); a finished or aborted request holds no blocks;
+`num_computed <= len(prompt) + len(output)`. Walkthrough chapter 01.
 """
 from __future__ import annotations
 
