@@ -247,8 +247,9 @@ class Scheduler:
                     self._grow(req, req.num_computed + rows)
                 except NoFreeBlocks:
                     fits = False
-            if not fits:
-                self.free(req)       # stays first in the queue; allocated again next step
+            if not fits:              # stays first in the queue, as if never allocated
+                self.free(req)
+                req.num_computed = 0
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
