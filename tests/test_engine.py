@@ -274,3 +274,17 @@ def test_detokenizer_hold_is_bounded_for_invalid_utf8():
         detokenize(tok, req, [lead], final=False)
         widest = max(widest, len(req.output_ids) - req.detok_prefix)
     assert req.detok_read > 0 and widest <= 2 * DETOKENIZE_MAX_HOLD + 2
+
+
+def test_runner_refuses_rows_past_a_tables_reservation():
+    """A step that computes a row without a reserved slot would write K/V into a block another
+    request may own; the runner stops it with the positions in the message."""
+    import types
+    from nanodspark.paged_kv import BlockManager
+    from nanodspark.runner import ModelRunner
+    bm = BlockManager(num_blocks=4, block_size=4)
+    table = bm.allocate_prompt(list(range(6)))            # 6 tokens reserved: slots in 2 blocks
+    runner = types.SimpleNamespace(block_size=4)
+    assert ModelRunner._slots(runner, table, range(2, 6), 0) == bm.slot_mapping(table, 2, 6)
+    with pytest.raises(AssertionError, match="positions up to 7 on a table reserved for 6"):
+        ModelRunner._slots(runner, table, range(5, 8), 0)   # still inside block 1, but not reserved
