@@ -30,7 +30,9 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    each workload (the corpus's `val_*` files): what the drafter and the target can predict on
    that kind of text, apart from what the target's own generations look like
    (`nanodspark/text_proxy.py`).
-Everything goes into `report.json`.
+Everything goes into `report.json`. `--target DIR` takes any checkpoint the engine serves (e.g.
+SmolLM2 from `distill --export-target`); `--write-prompt-corpus DIR` only writes a small copy of
+the corpus's prompt sources, to travel with a large target (09_results.md §4g).
 """
 from __future__ import annotations
 
@@ -66,6 +68,12 @@ TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill"
 
 
 # ----------------------------------------------------------------------------- 1. data
+def corpus_documents(path: Path) -> list[str]:
+    """The documents of one corpus file that can give a training prompt (longer than 80 characters)."""
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        return [d for d in f.read().split(EOT) if len(d) > 80]
+
+
 def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> list[str]:
     """Beginnings of training documents, spread evenly over `domains`."""
     rng = random.Random(seed)
@@ -73,9 +81,7 @@ def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> 
     domains = [d for d in domains if (corpus / f"{d}.txt.xz").exists()]
     per = n // max(1, len(domains)) + 1
     for dom in domains:
-        path = corpus / f"{dom}.txt.xz"
-        with lzma.open(path, "rt", encoding="utf-8") as f:
-            docs = [d for d in f.read().split(EOT) if len(d) > 80]
+        docs = corpus_documents(corpus / f"{dom}.txt.xz")
         for d in rng.sample(docs, min(per, len(docs))):
             if ASSISTANT_HEADER in d:
                 out.append(d[: d.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER)])
@@ -89,16 +95,16 @@ def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> 
 def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=TRAIN_DOMAINS) -> dict:
     """A small copy of the corpus that still serves `training_prompts`: per domain, its first
     `docs` documents longer than 80 characters, each cut to `chars` characters (a prompt uses at
-    most the first 400, or the text up to the assistant header). It lets the prompts travel with
-    a large target, as the SmolLM2 run of 09_results.md §4g did (5,000 and 6,000)."""
+    most the first 400, or the text up to the assistant header; a chat turn longer than `chars`
+    becomes a plain cut, 1 of 3,761 at 6,000). It lets the prompts travel with a large target,
+    as the SmolLM2 run of 09_results.md §4g did (5,000 and 6,000)."""
     out.mkdir(parents=True, exist_ok=True)
     kept = {}
     for dom in domains:
         src = corpus / f"{dom}.txt.xz"
         if not src.exists():
             continue
-        with lzma.open(src, "rt", encoding="utf-8") as f:
-            keep = [d[:chars] for d in f.read().split(EOT) if len(d) > 80][:docs]
+        keep = [d[:chars] for d in corpus_documents(src)[:docs]]
         with lzma.open(out / src.name, "wt", encoding="utf-8") as f:
             f.write(EOT.join(keep))
         kept[dom] = len(keep)

@@ -208,6 +208,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- one step ---------------------------------------------------------------------------
+    @staticmethod
+    def _rows(req: Request, decode_rows: int, budget: int) -> int:
+        """Rows a request computes this step: a whole verify window when it is decoding (only its
+        last token lacks KV), else the next prefill chunk that fits the token budget."""
+        return decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+
     def schedule(self, decode_rows: int = 1) -> list[tuple[Request, int]]:
         """(request, rows) pairs for this step. A decoding request reserves `decode_rows` slots
         (1, or 1 + gamma when the step verifies drafts)."""
@@ -216,7 +222,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or budget <= 0:
                 continue
-            rows = decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+            rows = self._rows(req, decode_rows, budget)
             if rows > budget:  # a verify window does not fit the token budget: wait a step
                 continue
             while True:
@@ -240,7 +246,7 @@ class Scheduler:
                 break
             # A prefix hit can leave only the last token to compute: then the request decodes in
             # this very step and needs slots for a whole verify window, not only for its tokens.
-            rows = decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+            rows = self._rows(req, decode_rows, budget)
             fits = rows <= budget
             if fits:
                 try:
