@@ -1,8 +1,10 @@
-"""The engine: requests, continuous batching, the KV budget, and the step.
+"""The engine: the step, the commit, and the offline API (`LLM`).
 
-One step is four lines (`LLMEngine.step`): the `Scheduler` chooses what each request feeds this
-step, the `ModelRunner` runs one forward (or, with a drafter, the `SpecDecoder` drafts and
-verifies), and the engine applies the typed result: commit tokens, stop, free.
+One step is four lines (`LLMEngine.step`): the `Scheduler` (scheduler.py) chooses what each
+request feeds this step, the `ModelRunner` runs one forward (or, with a drafter, the
+`SpecDecoder` drafts and verifies), and the engine applies the typed result: commit tokens,
+stop, free. Requests and the records the engine answers with are in request.py; this file also
+picks the device and dtype and keeps `PhaseClock`, the host time of each phase of a step.
 
 Continuous batching. Every request is a token list `prompt + output` of which the first
 `num_computed` have KV in the cache. A step feeds each running request the next slice of that
@@ -26,115 +28,24 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig
 from .detokenizer import detokenize
 from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache
-from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
+from .paged_kv import BlockManager
+from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status
 from .runner import Chunk, ModelRunner
 from .sampling import SamplingParams, make_generator, sample_tokens, target_probs
-from .swa_replay import plan_replay
+from .scheduler import Scheduler
 
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class SpecStats:
-    """Speculative counters of one request (paper names: tau = committed per verify step)."""
-    steps: int = 0          # verify steps
-    drafted: int = 0        # draft tokens produced (gamma per step)
-    verified: int = 0       # draft tokens the target verified (the windows)
-    accepted: int = 0       # draft tokens accepted
-    committed: int = 0      # tokens committed by verify steps (accepted + 1 each)
-    ceiling: int = 0        # cap-accept: tokens a full-block verify would have committed
-
-    def as_dict(self) -> dict:
-        tau = self.committed / self.steps if self.steps else 0.0
-        d = dict(steps=self.steps, drafted=self.drafted, verified=self.verified,
-                 accepted=self.accepted, committed=self.committed, tau=round(tau, 4))
-        if self.ceiling:
-            d["ceiling"] = self.ceiling
-        return d
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    tables: dict[str, BlockTable] = field(default_factory=dict)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    replay_until: int = 0                 # SWA replay rows (see swa_replay.py)
-    kv_start: int = 0
-    text: str = ""                        # decoded output so far (= decode(output_ids[:detok_read]))
-    emitted: int = 0                      # characters of `text` already streamed
-    detok_prefix: int = 0                 # incremental detokenizer (detokenizer.py): the decode window starts here
-    detok_read: int = 0                   # ... and `text` covers output_ids[:detok_read]
-    spec: SpecStats = field(default_factory=SpecStats)
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None  # when the first output token was committed (TTFT)
-    finish_time: float | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        """Prompt + output as a new list: O(length), so not for per-step paths (`ids`, `last_id`)."""
-        return self.prompt_ids + self.output_ids
-
-    def ids(self, start: int, stop: int) -> list[int]:
-        """all_ids[start:stop] without building all_ids (per-step paths: cost ~ the slice)."""
-        n = len(self.prompt_ids)
-        if start >= n:
-            return self.output_ids[start - n:stop - n]
-        return self.prompt_ids[start:stop] + (self.output_ids[:stop - n] if stop > n else [])
-
-    @property
-    def last_id(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed == self.num_tokens - 1
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    spec: dict
-
-
-@dataclass
-class GenerationOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    spec: dict
+# The request records and the scheduler live in request.py and scheduler.py; they are named here
+# too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
+__all__ = ["GenerationOutput", "LLM", "LLMEngine", "PhaseClock", "Request", "RequestOutput", "Scheduler",
+           "SpecStats", "Status", "pick_device", "pick_dtype"]
 
 
 def _triton_interpreting() -> bool:
@@ -153,122 +64,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# ----------------------------------------------------------------------------- scheduling
-class Scheduler:
-    """Admission, chunked prefill, preemption. Owns the queues and the block managers."""
-
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, managers: dict[str, BlockManager]):
-        self.cfg, self.model_cfg, self.managers = cfg, model_cfg, managers
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.n_sliding = model_cfg.layer_types.count("sliding_attention")
-
-    # -- block bookkeeping, over all KV groups ----------------------------------------------
-    def _allocate(self, req: Request) -> None:
-        """Tables for all of the request's tokens; prefix hit on the full group (atomic)."""
-        ids = req.all_ids
-        cached = [bm for g, bm in self.managers.items() if g != "sliding"]
-        cap = min((bm.match_prefix(ids) for bm in cached), default=0)  # a hit must hold in every group
-        tables = {}
-        try:
-            for g, bm in self.managers.items():
-                tables[g] = _fresh(bm, len(ids)) if g == "sliding" else bm.allocate_prompt(ids, cap)
-        except NoFreeBlocks:
-            for g, t in tables.items():
-                self.managers[g].free(t)
-            raise
-        hit = tables["full"].num_cached_tokens if "full" in tables else 0
-        plan = plan_replay(hit, self.model_cfg.sliding_window, self.n_sliding, self.cfg.swa_replay_tokens)
-        req.tables, req.num_computed = tables, plan.start
-        req.replay_until, req.kv_start = plan.replay_until, plan.start
-
-    def _grow(self, req: Request, num_tokens: int) -> None:
-        done = []
-        try:
-            for g, bm in self.managers.items():
-                before = req.tables[g].num_tokens
-                bm.ensure_capacity(req.tables[g], num_tokens)
-                done.append((g, before))
-        except NoFreeBlocks:
-            for g, before in done:
-                self.managers[g].truncate(req.tables[g], before)
-            raise
-
-    def free(self, req: Request) -> None:
-        for g, t in req.tables.items():
-            self.managers[g].free(t)
-        req.tables = {}
-
-    def preempt(self, req: Request) -> None:
-        self.free(req)
-        self.running.remove(req)
-        req.status, req.num_computed = Status.WAITING, 0
-        self.waiting.appendleft(req)
-
-    # -- one step ---------------------------------------------------------------------------
-    @staticmethod
-    def _rows(req: Request, decode_rows: int, budget: int) -> int:
-        """Rows a request computes this step: a whole verify window when it is decoding (only its
-        last token lacks KV), else the next prefill chunk that fits the token budget."""
-        return decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
-
-    def schedule(self, decode_rows: int = 1) -> list[tuple[Request, int]]:
-        """(request, rows) pairs for this step. A decoding request reserves `decode_rows` slots
-        (1, or 1 + gamma when the step verifies drafts)."""
-        budget = self.cfg.max_num_batched_tokens
-        plan: list[tuple[Request, int]] = []
-        for req in list(self.running):
-            if req not in self.running or budget <= 0:
-                continue
-            rows = self._rows(req, decode_rows, budget)
-            if rows > budget:  # a verify window does not fit the token budget: wait a step
-                continue
-            while True:
-                try:
-                    self._grow(req, req.num_computed + rows)
-                    break
-                except NoFreeBlocks:
-                    victim = self.running[-1]
-                    self.preempt(victim)
-                    plan = [(r, n) for r, n in plan if r is not victim]
-                    if victim is req:
-                        break
-            if req in self.running:
-                plan.append((req, rows))
-                budget -= rows
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            try:
-                self._allocate(req)
-            except NoFreeBlocks:
-                break
-            # A prefix hit can leave only the last token to compute: then the request decodes in
-            # this very step and needs slots for a whole verify window, not only for its tokens.
-            rows = self._rows(req, decode_rows, budget)
-            fits = rows <= budget
-            if fits:
-                try:
-                    self._grow(req, req.num_computed + rows)
-                except NoFreeBlocks:
-                    fits = False
-            if not fits:              # stays first in the queue, as if never allocated
-                self.free(req)
-                req.num_computed = 0
-                break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            plan.append((req, rows))
-            budget -= rows
-        return plan
-
-
-def _fresh(bm: BlockManager, n: int) -> BlockTable:
-    t = BlockTable()
-    bm.ensure_capacity(t, n)
-    return t
 
 
 # ----------------------------------------------------------------------------- the engine

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanodspark import LLM, SamplingParams
-from nanodspark.engine import Status
+from nanodspark.request import Status
 from nanodspark.model import DenseAttentionContext
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -218,7 +218,7 @@ def test_incremental_detokenizer_equals_a_full_decode():
     token splits a multi-byte character; stop strings cut where a full-text search would."""
     import random
     from nanodspark.detokenizer import detokenize
-    from nanodspark.engine import Request
+    from nanodspark.request import Request
     from nanodspark.loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(None))
     rng = random.Random(0)
@@ -242,7 +242,7 @@ def test_incremental_detokenizer_equals_a_full_decode():
 
 
 def test_request_id_slices_match_all_ids():
-    from nanodspark.engine import Request
+    from nanodspark.request import Request
     r = Request("r", [5, 6, 7], SamplingParams(), torch.Generator(), output_ids=[8, 9])
     for a in range(7):
         for b in range(a, 8):
@@ -263,7 +263,7 @@ def test_scheduler_knobs_live_in_engine_config():
 def test_detokenizer_hold_is_bounded_for_invalid_utf8():
     """A stream that never completes a character cannot make the decode window grow for ever."""
     from nanodspark.detokenizer import DETOKENIZE_MAX_HOLD, detokenize
-    from nanodspark.engine import Request
+    from nanodspark.request import Request
     from nanodspark.loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(None))
     lead = next(i for i in range(13, 8192) if tok.decode([i]) == "\ufffd")   # e.g. a lone lead byte
