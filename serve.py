@@ -2,7 +2,7 @@
 
 The idea
 --------
-Load one `LLMEngine`, wrap it in the FastAPI app of `nanodspark/server.py`, and run it with
+Load one `LLMEngine`, wrap it in the FastAPI app of `nanodspark/server/app.py`, and run it with
 uvicorn. With no arguments it serves the embedded default model (`nanodspark/assets/default`)
 on CUDA if present, else the CPU, at http://127.0.0.1:8000, and prints a curl to paste.
 

@@ -46,16 +46,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine_loop import ACCEPTED, EngineLoop, Handle
+from ..sampling import SamplingParams
+from .engine_loop import EngineLoop, Handle
 from .metrics import Metrics
-from .openai_api import APIError, _bad, _get, _message_text, _sse, _usage, parse_sampling
-from .sampling import SamplingParams
+from .openai_api import APIError, bad_request, get_field, message_text, parse_sampling, sse_event, usage_of
 
-# The server's public names. The engine thread and the OpenAI shapes live in their own files but
-# are named here too, so `from nanodspark.server import EngineLoop` (or `APIError`, `Handle`,
-# `parse_sampling`) works: this module is the server's one entry point.
-__all__ = ["ACCEPTED", "APIError", "EngineLoop", "HTTPServer", "Handle", "OpenAIServer", "create_app",
-           "parse_sampling"]
+__all__ = ["HTTPServer", "OpenAIServer", "create_app"]
 
 log = logging.getLogger("nanodspark.server")
 
@@ -133,10 +129,10 @@ class OpenAIServer:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise _bad(f"the request body is not valid JSON: {e}") from None
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object")
-        model = _get(body, "model", "str")
+            raise bad_request("the request body must be a JSON object")
+        model = get_field(body, "model", "str")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -144,7 +140,7 @@ class OpenAIServer:
 
     async def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise _bad("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
+            raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
     async def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> Handle:
@@ -206,26 +202,26 @@ class OpenAIServer:
     async def _events(self, h: Handle, chunk, include_usage: bool, first_chunk=None):
         """Server-sent events: OpenAI chunks, an optional usage chunk, then `[DONE]`."""
         if first_chunk is not None:
-            yield _sse(first_chunk)
+            yield sse_event(first_chunk)
         while True:
             item = await h.queue.get()
             if isinstance(item, APIError):
                 h.finished = True
-                yield _sse(item.body())
+                yield sse_event(item.body())
                 break
             if item.finished:
                 h.finished = True
-            yield _sse(chunk(item.text_delta, item.finish_reason if item.finished else None))
+            yield sse_event(chunk(item.text_delta, item.finish_reason if item.finished else None))
             if item.finished:
                 if include_usage:
-                    yield _sse({**chunk("", None), "choices": [], "usage": _usage(item)})
+                    yield sse_event({**chunk("", None), "choices": [], "usage": usage_of(item)})
                 break
         yield "data: [DONE]\n\n"
 
     @staticmethod
     def _stream_options(body: dict) -> bool:
-        opts = _get(body, "stream_options", "dict", {})
-        return bool(_get(opts, "include_usage", "bool", False))
+        opts = get_field(body, "stream_options", "dict", {})
+        return bool(get_field(opts, "include_usage", "bool", False))
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -233,18 +229,18 @@ class OpenAIServer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
-                raise _bad("batched prompts are not supported: send one prompt per request", "prompt")
+                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = await self._encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         else:
-            raise _bad("'prompt' must be a string or a list of token ids", "prompt")
+            raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
         if not ids:
-            raise _bad("the prompt is empty", "prompt")
+            raise bad_request("the prompt is empty", "prompt")
         params = parse_sampling(body, max_tokens_default=16)
-        stream = _get(body, "stream", "bool", False)
+        stream = get_field(body, "stream", "bool", False)
         include_usage = self._stream_options(body)
         h = await self._submit(ids, params, "cmpl")
         base = {"id": h.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
@@ -255,24 +251,24 @@ class OpenAIServer:
         if stream:
             return _Stream(self._events(h, chunk, include_usage), lambda: self._close(h))
         text, out = await self._collect(request, h)
-        return {**chunk(text, out.finish_reason), "usage": _usage(out)}
+        return {**chunk(text, out.finish_reason), "usage": usage_of(out)}
 
     async def chat_completions(self, request: Request):
         body = await self._body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-        messages = [_message_text(m, i) for i, m in enumerate(messages)]
+            raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+        messages = [message_text(m, i) for i, m in enumerate(messages)]
         if self.tokenizer is None:
-            raise _bad("this model has no tokenizer.json, so chat is unavailable; use /v1/completions "
+            raise bad_request("this model has no tokenizer.json, so chat is unavailable; use /v1/completions "
                        "with token ids", "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as e:
-            raise _bad(str(e), "messages") from None
+            raise bad_request(str(e), "messages") from None
         ids = await self._encode(text)
         params = parse_sampling(body, max_tokens_default=max(1, self.max_request_tokens - len(ids)))
-        stream = _get(body, "stream", "bool", False)
+        stream = get_field(body, "stream", "bool", False)
         include_usage = self._stream_options(body)
         h = await self._submit(ids, params, "chatcmpl")
         base = {"id": h.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -290,7 +286,7 @@ class OpenAIServer:
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": _usage(out)}
+                "usage": usage_of(out)}
 
     def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

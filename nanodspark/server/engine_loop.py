@@ -37,9 +37,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..sampling import SamplingParams
 from .metrics import Metrics
-from .openai_api import APIError, _bad
-from .sampling import SamplingParams
+from .openai_api import APIError, bad_request
 
 # The engine thread is part of the server, so it logs under the server's name: one logger
 # filters everything the server says.
@@ -146,7 +146,7 @@ class EngineLoop:
             except OverflowError as e:
                 return self._deliver(h, APIError(429, f"server busy: {e}", "rate_limit_error"))
             except ValueError as e:
-                return self._deliver(h, _bad(str(e)))
+                return self._deliver(h, bad_request(str(e)))
             except Exception as e:  # noqa: BLE001
                 log.exception("add_request failed")
                 return self._deliver(h, APIError(500, f"could not add the request: {e}", "server_error"))
