@@ -56,8 +56,7 @@ from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, save_reliability_png, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
-from nanodspark.loader import Tokenizer, load_model, resolve_model_dir  # noqa: E402
-from nanodspark.recipes.corpus import EOT  # noqa: E402
+from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
 from nanodspark.text_proxy import text_proxy  # noqa: E402
 from nanodspark.workloads import ASSISTANT_HEADER  # noqa: E402
 

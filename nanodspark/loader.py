@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .model import CausalLM
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
+EOT = "<|endoftext|>"   # end of text: ends a generation here, and a document in the corpus recipe
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -179,7 +180,7 @@ class Tokenizer:
         self.tok = HFTokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size()
         eos = set(eos_token_ids or [])
-        for special in ("<|im_end|>", "<|endoftext|>"):
+        for special in ("<|im_end|>", EOT):
             i = self.tok.token_to_id(special)
             if i is not None:
                 eos.add(i)

@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter, block_pass
-from .loader import load_model
+from .loader import EOT, load_model
 from .model import DenseAttentionContext
-from .recipes.corpus import EOT
 from .workloads import ASSISTANT_HEADER
 
 PROXY_DOMAINS = {"math": "val_math", "chat": "val_chat", "poetry": "val_poetry", "code": "val_code",

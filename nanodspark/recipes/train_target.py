@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..loader import save_model
+from ..loader import EOT, save_model
 from ..model import CausalLM, DenseAttentionContext, MoE
-from .corpus import EOT
 
 # Share of training sequences drawn from each domain (code from this machine's Python sources).
 # "default" is the embedded target's recipe. The "distill" mixtures add answers of a pretrained
