@@ -29,7 +29,7 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
 5. `proxy` (not in the default phases) — teacher-forced acceptance on held-out *natural* text of
    each workload (the corpus's `val_*` files): what the drafter and the target can predict on
    that kind of text, apart from what the target's own generations look like
-   (`nanodspark/text_proxy.py`).
+   (`nanodspark/lab/text_proxy.py`).
 Everything goes into `report.json`. `--target DIR` takes any checkpoint the engine serves (e.g.
 SmolLM2 from `distill --export-target`); `--write-prompt-corpus DIR` only writes a small copy of
 the corpus's prompt sources, to travel with a large target (09_results.md §4g).
@@ -54,11 +54,12 @@ sys.path.insert(0, str(ROOT))
 
 from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
-                                    offset_interval, save_reliability_png, survival)
+                                    offset_interval, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
+from nanodspark.lab.plots import save_reliability_png  # noqa: E402
+from nanodspark.lab.text_proxy import text_proxy  # noqa: E402
+from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
-from nanodspark.text_proxy import text_proxy  # noqa: E402
-from nanodspark.workloads import ASSISTANT_HEADER  # noqa: E402
 
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
@@ -315,7 +316,7 @@ def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir, at_most: bool 
     """n prompts of a workload (`at_most`: all of them if it has fewer, e.g. chat has 80).
     `as_shipped` puts back the trailing newline the code workload strips from HumanEval's
     prompts (how code was measured before session 8; 09_results.md §4f)."""
-    from nanodspark.workloads import load_workload, workload_size
+    from nanodspark.lab.workloads import load_workload, workload_size
     if at_most:
         n = min(n, workload_size(name, data_dir))
     return [tok.encode(p.render() + (p.meta.get("cut", "") if as_shipped else ""))

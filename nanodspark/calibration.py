@@ -48,10 +48,7 @@ Defaults (the one place they are written down; every function takes them as para
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,7 +66,7 @@ STS_SHIFT_ROUNDS = 3   # temperature <-> shift alternations per position
 # helpers
 # ---------------------------------------------------------------------------------------------
 
-def _f64(x) -> torch.Tensor:
+def as_float64(x) -> torch.Tensor:
     """Any array-like -> a float64 CPU tensor (metrics are host-side; lists are read as float64)."""
     if isinstance(x, torch.Tensor):
         return x.detach().to("cpu", torch.float64)
@@ -87,7 +84,7 @@ def _bin_index(pred: torch.Tensor, n_bins: int) -> torch.Tensor:
 
 def ece(pred, label, n_bins: int = N_BINS) -> float:
     """Expected calibration error: sum_b n_b/N |mean_pred_b - mean_label_b| (equal-width bins)."""
-    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    p, y = as_float64(pred).flatten(), as_float64(label).flatten()
     if p.numel() == 0:
         return float("nan")
     b = _bin_index(p, n_bins)
@@ -100,7 +97,7 @@ def ece_noise_floor(pred, n_bins: int = N_BINS, draws: int = 32, seed: int = 0) 
     sample size (labels drawn as Bernoulli(pred), mean over `draws`). Binned ECE is biased
     upward by sampling noise (about 0.4 * sqrt(n_bins / N)); a measured ECE near this floor
     means "calibrated within what the sample can resolve"."""
-    p = _f64(pred).flatten()
+    p = as_float64(pred).flatten()
     if p.numel() == 0:
         return float("nan")
     g = torch.Generator().manual_seed(seed)
@@ -110,7 +107,7 @@ def ece_noise_floor(pred, n_bins: int = N_BINS, draws: int = 32, seed: int = 0) 
 
 def auroc(pred, label) -> float:
     """Exact area under the ROC curve (rank statistic, average ranks for ties); nan if one class."""
-    p, y = _f64(pred).flatten(), _f64(label).flatten() > 0.5
+    p, y = as_float64(pred).flatten(), as_float64(label).flatten() > 0.5
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     if n_pos == 0 or n_neg == 0:
         return float("nan")
@@ -123,7 +120,7 @@ def auroc(pred, label) -> float:
 
 def brier(pred, label) -> float:
     """Mean squared error between predicted probability and the 0/1 label."""
-    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    p, y = as_float64(pred).flatten(), as_float64(label).flatten()
     return float(((p - y) ** 2).mean()) if p.numel() else float("nan")
 
 
@@ -138,7 +135,7 @@ class ReliabilityBins:
 
 def reliability(pred, label, n_bins: int = N_BINS) -> ReliabilityBins:
     """Equal-width reliability bins: (mean predicted, mean observed, count) per bin."""
-    p, y = _f64(pred).flatten(), _f64(label).flatten()
+    p, y = as_float64(pred).flatten(), as_float64(label).flatten()
     b = _bin_index(p, n_bins)
     count = torch.bincount(b, minlength=n_bins)
     sp = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, b, p)
@@ -213,7 +210,7 @@ def _pick(err: torch.Tensor, grid: torch.Tensor, distance: torch.Tensor) -> floa
 
 def _fit_sequential(logits, labels, valid, temp_grid, shifts_grid, rounds: int, n_bins: int,
                     objective: str = "ece"):
-    z, y = _f64(logits), _f64(labels)
+    z, y = as_float64(logits), as_float64(labels)
     v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
     t_dist, s_dist = temp_grid.log().abs(), shifts_grid.abs()   # tie-breaks: T near 1, s near 0
     gamma = z.shape[-1]
@@ -242,7 +239,7 @@ def fit_sts(logits, labels, valid=None, grid=None, n_bins: int = N_BINS) -> torc
     grid: candidate temperatures (default `sts_grid()`).
     Returns temperatures [gamma] (float64). A position with no valid rows keeps T = 1.
     """
-    grid = sts_grid() if grid is None else _f64(grid)
+    grid = sts_grid() if grid is None else as_float64(grid)
     return _fit_sequential(logits, labels, valid, grid, torch.zeros(1, dtype=torch.float64), 1, n_bins)[0]
 
 
@@ -256,8 +253,8 @@ def fit_sts_shifted(logits, labels, valid=None, grid=None, shifts=None, n_bins: 
     huge T and s = logit(mean rate) make a constant predictor whose ECE is ~0 and whose ranking
     is gone; a proper scoring rule does not reward that. A position with no valid rows keeps (1, 0).
     """
-    grid = sts_grid() if grid is None else _f64(grid)
-    return _fit_sequential(logits, labels, valid, grid, shift_grid() if shifts is None else _f64(shifts),
+    grid = sts_grid() if grid is None else as_float64(grid)
+    return _fit_sequential(logits, labels, valid, grid, shift_grid() if shifts is None else as_float64(shifts),
                            rounds, n_bins, objective="nll")
 
 
@@ -286,7 +283,7 @@ def offset_interval(surv, labels, valid, groups, draws: int = 200, level: float 
     that treats them as independent is too narrow. An interval that excludes 0 says the head
     is offset beyond what the prompts' variability explains; a temperature cannot fix that.
     """
-    a, y = _f64(surv), _f64(labels)
+    a, y = as_float64(surv), as_float64(labels)
     v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
     _, gid = torch.unique(torch.as_tensor(groups).cpu(), return_inverse=True)
     n = max(1, int(gid.max()) + 1 if gid.numel() else 0)
@@ -310,7 +307,7 @@ def offset_interval(surv, labels, valid, groups, draws: int = 200, level: float 
 
 def position_metrics(surv, labels, valid=None, n_bins: int = N_BINS) -> list[PositionMetrics]:
     """Per-position metrics of survivals [N, gamma] against prefix labels, on valid rows only."""
-    a, y = _f64(surv), _f64(labels)
+    a, y = as_float64(surv), as_float64(labels)
     v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
     out = []
     for k in range(a.shape[-1]):
@@ -360,10 +357,10 @@ def calibration_report(logits, labels, valid=None, temps=None, n_bins: int = N_B
                        shifts=None) -> CalibrationReport:
     """Metrics of the raw head (T = 1) and of the head with `temps` (and `shifts`, if given);
     temps=None fits plain STS."""
-    z = _f64(logits)
-    temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
+    z = as_float64(logits)
+    temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else as_float64(temps)
     raw = survival(torch.sigmoid(z))
-    cal = survival(apply_temperatures(z, temps, None if shifts is None else _f64(shifts)))
+    cal = survival(apply_temperatures(z, temps, None if shifts is None else as_float64(shifts)))
     return CalibrationReport(
         temperatures=[float(t) for t in temps],
         before=position_metrics(raw, labels, valid, n_bins),
@@ -403,7 +400,7 @@ class OnlineCalibrationMetrics:
 
     def update(self, surv, labels, valid=None) -> None:
         """Accumulate survivals [N, gamma] and prefix labels [N, gamma] where valid [N, gamma]."""
-        a, y = _f64(surv), _f64(labels)
+        a, y = as_float64(surv), as_float64(labels)
         v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
         pos = torch.arange(self.gamma).expand_as(a)
         cell = (pos * self.n_bins + _bin_index(a, self.n_bins))[v]
@@ -428,75 +425,3 @@ class OnlineCalibrationMetrics:
     def mean_observed(self) -> torch.Tensor:
         n = self.samples()
         return torch.where(n > 0, self.sum_label.sum(1) / n.clamp(min=1), torch.full_like(n, float("nan")))
-
-
-# ---------------------------------------------------------------------------------------------
-# a dependency-free reliability diagram (PNG written with zlib + struct)
-# ---------------------------------------------------------------------------------------------
-
-_WHITE, _GRID, _AXIS = (255, 255, 255), (225, 225, 225), (40, 40, 40)
-_RAW, _CAL, _BAR = (214, 39, 40), (31, 119, 180), (150, 150, 150)
-
-
-def write_png(path, rgb: np.ndarray) -> None:
-    """Write an [H, W, 3] uint8 image as an 8-bit RGB PNG (no filter, one IDAT chunk)."""
-    h, w, _ = rgb.shape
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    rows = b"".join(b"\x00" + rgb[i].astype(np.uint8).tobytes() for i in range(h))
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
-    Path(path).write_bytes(png)
-
-
-def _dot(img: np.ndarray, x: int, y: int, color, radius: int) -> None:
-    img[max(0, y - radius):y + radius + 1, max(0, x - radius):x + radius + 1] = color
-
-
-def _panel(bins_raw: ReliabilityBins, bins_cal: ReliabilityBins, size: int, hist: int,
-           radius: int) -> np.ndarray:
-    """One position: diagonal, raw (red) and STS (blue) points, count histogram below."""
-    img = np.full((size + hist, size, 3), _WHITE, dtype=np.uint8)
-    for t in range(0, size, max(1, size // 10)):
-        img[:size, t] = _GRID
-        img[t, :] = _GRID
-    for i in range(size):                                     # the diagonal: perfect calibration
-        img[size - 1 - i, i] = _AXIS
-    img[size - 1, :], img[:size, 0] = _AXIS, _AXIS
-    for bins, color in ((bins_raw, _RAW), (bins_cal, _CAL)):
-        for mp, ml, c in zip(bins.mean_pred.tolist(), bins.mean_label.tolist(), bins.count.tolist()):
-            if c > 0:
-                _dot(img, round(mp * (size - 1)), size - 1 - round(ml * (size - 1)), color, radius)
-    counts = bins_cal.count.to(torch.float64)
-    n_bins, top = counts.numel(), float(counts.max()) if counts.numel() else 0.0
-    for b, c in enumerate(counts.tolist()):
-        if top > 0 and c > 0:
-            x0, x1 = b * size // n_bins, max(b * size // n_bins + 1, (b + 1) * size // n_bins - 1)
-            height = max(1, round((hist - 2) * c / top))
-            img[size + hist - height:size + hist, x0:x1] = _BAR
-    return img
-
-
-def save_reliability_png(path, logits, labels, valid=None, temps=None, n_bins: int = N_BINS,
-                         panel_px: int = 160, hist_px: int = 40, gap_px: int = 8,
-                         dot_radius: int = 2, shifts=None) -> Path:
-    """Reliability diagrams of cumulative survival, one panel per position, side by side.
-
-    Red = raw head (T = 1), blue = after STS (`temps`, fitted if None; with `shifts` if given); grey bars = how many
-    samples fall in each bin after STS. x = mean predicted survival, y = observed prefix rate.
-    """
-    z = _f64(logits)
-    temps = fit_sts(z, labels, valid, n_bins=n_bins) if temps is None else _f64(temps)
-    v = torch.ones_like(z, dtype=torch.bool) if valid is None else torch.as_tensor(valid).cpu().bool()
-    cal = survival(apply_temperatures(z, temps, None if shifts is None else _f64(shifts)))
-    raw, y = survival(torch.sigmoid(z)), _f64(labels)
-    panels = []
-    for k in range(z.shape[-1]):
-        rk = reliability(raw[v[:, k], k], y[v[:, k], k], n_bins)
-        ck = reliability(cal[v[:, k], k], y[v[:, k], k], n_bins)
-        panels.append(_panel(rk, ck, panel_px, hist_px, dot_radius))
-        panels.append(np.full((panel_px + hist_px, gap_px, 3), _WHITE, dtype=np.uint8))
-    write_png(path, np.concatenate(panels[:-1], axis=1))
-    return Path(path)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nanodspark import bench_engine as be
-from nanodspark import bench_profile as bp
+from nanodspark.lab import bench_engine as be
+from nanodspark.lab import bench_profile as bp
 from nanodspark.cost_table import CostTable
 
 from test_verify import make_drafter
@@ -182,7 +182,7 @@ def test_profile_k_grid_is_dense_and_ends_at_full_blocks():
 
 def test_kernel_goal_counts_of_the_committed_h200_run():
     """The counts the walkthrough quotes are what `bench kernels-table` derives from the JSON."""
-    from nanodspark import bench
+    from nanodspark.lab import bench
     res = json.loads((Path(__file__).parent.parent / "benchmarks" / "kernels_h200.json").read_text())
     goals = bench.kernel_goals(res)
     assert (goals["bandwidth_ge_0.8_of_copy_at_ctx_ge_8k_batch_ge_8_graph"]["met"],

@@ -1,5 +1,6 @@
 """Tests of nanodspark/calibration.py: metrics on hand-computed arrays, STS recovery of known
-per-position temperatures, the online accumulator, and the dependency-free PNG writer.
+per-position temperatures, the online accumulator; and of the dependency-free PNG writer of the
+reliability diagram (nanodspark/lab/plots.py).
 (Paper §3.2.1 and §4.3.3; walkthrough chapter 06.)"""
 
 import math
@@ -12,8 +13,9 @@ import torch
 from nanodspark.calibration import (
     OnlineCalibrationMetrics, apply_temperatures, auroc, brier, calibration_report, ece, fit_sts, fit_sts_shifted,
     offset_interval,
-    position_metrics, reliability, save_reliability_png, sts_grid, survival,
+    position_metrics, reliability, sts_grid, survival,
 )
+from nanodspark.lab.plots import save_reliability_png
 
 
 # ---------------------------------------------------------------------------------------------

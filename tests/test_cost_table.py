@@ -1,14 +1,15 @@
-"""Tests of nanodspark/cost_table.py: the additive fit, the staircase the scheduler reads,
-monotone forcing (isotonic and running max), the round-adjusted estimate, JSON persistence and
-the profiler's rounds, settling and untimed prepare (walkthrough chapter 07 §4)."""
+"""Tests of nanodspark/cost_table.py (the additive fit, the staircase the scheduler reads,
+monotone forcing (isotonic and running max), JSON persistence) and of the profiling statistics
+in nanodspark/lab/profile_stats.py (the round-adjusted estimate, the trend gate, the profiler's
+rounds, settling and untimed prepare); walkthrough chapter 07 §4."""
 
 import json
 
 import numpy as np
 import pytest
 
-from nanodspark.cost_table import (CostTable, force_monotone, gate_by_trend, profile_step_cost, round_adjusted,
-                                   trend_z)
+from nanodspark.cost_table import CostTable, force_monotone
+from nanodspark.lab.profile_stats import gate_by_trend, profile_step_cost, round_adjusted, trend_z
 
 
 BIAS = 1e-3
@@ -197,7 +198,7 @@ def bimodal_profile(slope, seed, ks=tuple(range(0, 1281, 160)), rounds=7):
 
 
 def gated(samples):
-    from nanodspark.cost_table import round_adjusted as ra
+    from nanodspark.lab.profile_stats import round_adjusted as ra
     ks = sorted(k for _, k in samples)
     raw = dict(zip([(256, k) for k in ks], ra([samples[(256, k)] for k in ks])))
     t = CostTable(force_monotone(raw), raw=raw, samples=samples)

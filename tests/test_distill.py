@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanodspark.recipes import distill
-from nanodspark.recipes.corpus import EOT, NeedleIndex, all_needles, eval_needles
-from nanodspark.workloads import format_chatml
+from nanodspark.lab.recipes import distill
+from nanodspark.lab.recipes.corpus import EOT, NeedleIndex, all_needles, eval_needles
+from nanodspark.lab.workloads import format_chatml
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -130,7 +130,7 @@ def test_prompts_come_from_training_sources_only(tmp_path):
 def test_target_mixtures_and_their_distill_file(tmp_path):
     from types import SimpleNamespace
 
-    from nanodspark.recipes.train_target import MIXTURES, train
+    from nanodspark.lab.recipes.train_target import MIXTURES, train
     for name, mix in MIXTURES.items():
         assert abs(sum(mix.values()) - 1.0) < 1e-9, name
     assert "distill" not in MIXTURES["default"]          # the shipped target's recipe
@@ -168,7 +168,7 @@ def test_target_training_stops_on_its_token_budget(tmp_path):
     import argparse
     import json
 
-    from nanodspark.recipes.train_target import add_args, train
+    from nanodspark.lab.recipes.train_target import add_args, train
     text = "def add(a, b):\n    return a + b\n" * 40 + EOT
     for name in ("code", "val_code"):
         with lzma.open(tmp_path / f"{name}.txt.xz", "wt", encoding="utf-8") as f:

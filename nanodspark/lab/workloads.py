@@ -14,12 +14,12 @@ across runs and machines:
 The data files are not part of the repository. They are read from `data_dir`, which defaults
 to `$NANODSPARK_DATA`, else `../shared/data` next to the repository (or the working
 directory), else `.carry/data` inside the repository (the folder a GPU run carries; fill it
-with `python -m nanodspark.workloads --copy-to .carry/data`).
+with `python -m nanodspark.lab.workloads --copy-to .carry/data`).
 
 Evaluation hygiene: the poems held out here are exactly the poems that the training corpus
-(`nanodspark/recipes/corpus.py`) leaves out; both call `split_poems`.
+(`nanodspark/lab/recipes/corpus.py`) leaves out; both call `split_poems`.
 
-    >>> from nanodspark.workloads import load_workload
+    >>> from nanodspark.lab.workloads import load_workload
     >>> prompts = load_workload("math", n=4)
     >>> prompts[0].render()        # ChatML text, ending with the assistant header
 """
@@ -55,7 +55,7 @@ POEM_MIN_VERSE_LINES = 4
 
 POETRY_INSTRUCTION = "Continue this poem:\n\n"
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------
@@ -141,13 +141,13 @@ def data_file(name: str, data_dir: str | os.PathLike | None = None) -> Path:
             f"Pass data_dir=..., set NANODSPARK_DATA to a folder that holds {name}, or put "
             f"the public data sets in ../shared/data next to the repository (see "
             f"../shared/data/README.md). For a GPU run, copy them into the carried folder "
-            f"first: python -m nanodspark.workloads --copy-to .carry/data"
+            f"first: python -m nanodspark.lab.workloads --copy-to .carry/data"
         )
     return path
 
 
 # --------------------------------------------------------------------------------------
-# Readers (shared with nanodspark/recipes/corpus.py)
+# Readers (shared with nanodspark/lab/recipes/corpus.py)
 # --------------------------------------------------------------------------------------
 
 def read_jsonl(path: Path) -> list[dict]:

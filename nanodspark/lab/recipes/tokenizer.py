@@ -1,6 +1,6 @@
 """Train the 8k byte-level BPE tokenizer of the embedded default model.
 
-    python -m nanodspark.recipes.tokenizer --corpus build/corpus --out nanodspark/assets/default
+    python -m nanodspark.lab.recipes.tokenizer --corpus build/corpus --out nanodspark/assets/default
 
 Byte-level BPE (the GPT-2 scheme): text is first turned into bytes, each byte shown as one
 printable character, so any string - any language, emoji, binary junk in code - has an
@@ -35,7 +35,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from nanodspark.recipes.corpus import (
+from nanodspark.lab.recipes.corpus import (
     SPECIAL_TOKENS,
     TRAIN_DOMAINS,
     VAL_DOMAINS,
@@ -52,7 +52,7 @@ PAD_TOKEN = "<|pad|>"
 # How much of each training domain the BPE merges are learned from (MB of text).
 TRAIN_MB = {"chat": 8.0, "math": 4.5, "literature": 4.0, "docs": 8.0, "dict": 2.0, "code": 8.0}
 
-# ChatML, exactly as nanodspark.workloads.format_chatml writes it.
+# ChatML, exactly as nanodspark.lab.workloads.format_chatml writes it.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

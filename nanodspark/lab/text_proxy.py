@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from .drafter import Drafter, block_pass
-from .loader import EOT, load_model
-from .model import DenseAttentionContext
+from ..drafter import Drafter, block_pass
+from ..loader import EOT, load_model
+from ..model import DenseAttentionContext
 from .workloads import ASSISTANT_HEADER
 
 PROXY_DOMAINS = {"math": "val_math", "chat": "val_chat", "poetry": "val_poetry", "code": "val_code",
@@ -147,7 +147,7 @@ def text_proxy(target_path, drafter_dirs: dict, tok, corpus, n: int = DEFAULT_DO
             for wl, f in PROXY_DOMAINS.items() if (corpus / f"{f}.txt.xz").exists()}
     if not docs:
         raise FileNotFoundError(f"no validation text (val_*.txt.xz) in {corpus}: build the corpus first "
-                                "(python -m nanodspark.recipes.default_model corpus)")
+                                "(python -m nanodspark.lab.recipes.default_model corpus)")
     res: dict = {"documents": {wl: len(d) for wl, d in docs.items()}, "max_tokens": max_tokens}
     classes = token_classes(tok, target.config.vocab_size)
     res["logit_lens"] = {wl: logit_lens(target, seqs, device) for wl, seqs in docs.items()}

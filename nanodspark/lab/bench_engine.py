@@ -35,9 +35,9 @@ QWEN3_0_6B = {
 
 
 def random_checkpoint(cfg_dict: dict, out: Path, dtype=torch.bfloat16) -> Path:
-    from .config import ModelConfig
-    from .loader import save_model
-    from .model import CausalLM
+    from ..config import ModelConfig
+    from ..loader import save_model
+    from ..model import CausalLM
     torch.manual_seed(0)
     cfg = ModelConfig.from_dict(cfg_dict)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -83,7 +83,7 @@ def time_generate(llm, prompts, params, repeats: int) -> dict:
 
 
 def engine_baseline(args) -> dict:
-    from . import LLM, SamplingParams
+    from .. import LLM, SamplingParams
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = random_checkpoint(QWEN3_0_6B, Path(tmp) / "qwen3-0.6b-random")
@@ -179,7 +179,7 @@ def bench_prompts(workload: str, n: int, data_dir=None) -> list:
 
 
 def dspark_bench(args) -> dict:
-    from . import LLM, SamplingParams
+    from .. import LLM, SamplingParams
     rows, paired = [], []
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
     # All engines stay loaded and their runs are interleaved, so a slow drift of the machine
@@ -263,7 +263,7 @@ def dspark_bench(args) -> dict:
 def mixed_traffic(args, params) -> dict:
     """Mixed workloads in one batch under cap-accept: the mean window and tau of each workload,
     and utilisation = committed / what full-block verify would have committed (the ceiling)."""
-    from . import LLM
+    from .. import LLM
     from .workloads import load_workload
     llm = LLM(args.model, verify_mode="cap-accept", cost_table=args.cost_table, enable_prefix_cache=False,
               max_num_seqs=args.mixed_concurrency, use_tqdm=False, kv_cache_memory_gb=args.kv_gb)
@@ -318,7 +318,7 @@ def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40, workl
     sweep: grey = no speculation, red = static, blue = compact. Axes start at 0; no text (the
     JSON next to it has the numbers)."""
     import numpy as np
-    from .calibration import write_png
+    from .plots import write_png
     rows = [r for r in result["sweep"] if r.get("workload", "mix") == workload]
     if not rows:  # a sweep without the mix: draw its first workload
         first = result["sweep"][0].get("workload", "mix")

@@ -27,8 +27,8 @@ def engine_step_runner(llm, context_len: int):
     """run_step(bs, K): one real speculative step shape of the loaded target + drafter: a draft
     pass for bs requests and a target verify forward of bs + K rows, at `context_len` tokens of
     context each (the KV content is whatever is in the cache; only the cost matters)."""
-    from .paged_kv import BlockTable
-    from .runner import Chunk
+    from ..paged_kv import BlockTable
+    from ..runner import Chunk
     eng = llm.engine
     mgrs = eng.scheduler.managers
     spec = eng.spec
@@ -81,7 +81,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     K tokens and not the per-token work of committing more of them, which the scheduler must
     not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
     import random
-    from .sampling import SamplingParams
+    from ..sampling import SamplingParams
     eng, spec = llm.engine, llm.engine.spec
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
@@ -154,8 +154,8 @@ def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
 
 
 def profile(args) -> dict:
-    from . import LLM
-    from .cost_table import DEFAULT_TREND_Z, profile_step_cost
+    from .. import LLM
+    from .profile_stats import DEFAULT_TREND_Z, profile_step_cost
     # prefix caching off, as in `bench dspark`: its block hashing is host time per step
     llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
               enable_prefix_cache=False)

@@ -13,7 +13,7 @@ load-balancing loss on the routers, and sequences longer than the window. It kee
 checkpoint with the best mean validation loss and writes it in Hugging Face layout (bf16
 safetensors shards <= 15 MiB) with a JSON log of the loss curve and per-domain validation.
 
-    python -m nanodspark.recipes.default_model train --corpus .carry/corpus --out $OUT/default
+    python -m nanodspark.lab.recipes.default_model train --corpus .carry/corpus --out $OUT/default
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..loader import EOT, save_model
-from ..model import CausalLM, DenseAttentionContext, MoE
+from ...config import ModelConfig
+from ...loader import EOT, save_model
+from ...model import CausalLM, DenseAttentionContext, MoE
 
 # Share of training sequences drawn from each domain (code from this machine's Python sources).
 # "default" is the embedded target's recipe. The "distill" mixtures add answers of a pretrained
@@ -280,7 +280,7 @@ def expert_load(model: CausalLM, val: dict, device, seq: int) -> list[list[int]]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default=".carry/corpus", help="folder of *.txt.xz built by the corpus step")
-    p.add_argument("--tokenizer", default=str(Path(__file__).parents[1] / "assets/default/tokenizer.json"))
+    p.add_argument("--tokenizer", default=str(Path(__file__).parents[2] / "assets/default/tokenizer.json"))
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=150.0, help="training time budget")
     p.add_argument("--tokens", type=float, default=0, help="training token budget (replaces --seconds)")
@@ -300,5 +300,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_args(ap)
     a = ap.parse_args()
-    a.command = "python -m nanodspark.recipes.train_target " + " ".join(os.sys.argv[1:])
+    a.command = "python -m nanodspark.lab.recipes.train_target " + " ".join(os.sys.argv[1:])
     train(a)

@@ -1,7 +1,0 @@
-"""Recipes that build the embedded default model's data: the corpus and the tokenizer.
-
-    python -m nanodspark.recipes.corpus --out build/corpus
-    python -m nanodspark.recipes.tokenizer --corpus build/corpus --out nanodspark/assets/default
-
-See walkthrough/04_default_model.md.
-"""
