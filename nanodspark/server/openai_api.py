@@ -5,9 +5,10 @@ The idea
 Everything the server knows about the OpenAI API as *data* lives here: how a JSON body becomes
 validated `SamplingParams` (`parse_sampling`, field by field with `get_field`), how a chat
 message becomes `{role, content}` (`message_text`), and how answers and errors are written back
-(`usage_of`, `sse_event`, `APIError`, `bad_request`). These are plain functions of their arguments, so they can be read and tested without a server,
-an engine or an event loop; `app.py` calls them from its handlers, and `engine_loop.py`
-hands `APIError`s to the handlers when the engine refuses or fails a request.
+(`usage_of`, `sse_event`, `APIError`, `bad_request`). These are plain functions of their
+arguments, so they can be read and tested without a server, an engine or an event loop;
+`app.py` calls them from its handlers, and `engine_loop.py` hands `APIError`s to the handlers
+when the engine refuses or fails a request.
 
 Validation is written by hand (`get_field`, `parse_sampling`, `message_text`), not with pydantic
 models: we want the OpenAI error shape and a message that names the field, and a few explicit
