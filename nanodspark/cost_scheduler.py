@@ -42,7 +42,7 @@ Defaults (the one place they are written down; every function takes them as para
                                  (the value TensorRT-LLM's `confidence_min_predicted_gain` uses)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
 
-The step-cost table (profiling, estimation, forcing, lookup) is cost_table.py.
+The step-cost table (forcing, lookup) is cost_table.py; how it is profiled is lab/profile_stats.py.
 """
 
 from __future__ import annotations

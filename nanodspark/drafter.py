@@ -30,7 +30,7 @@ Saved as `config.json` + `model.safetensors`, like the target. Walkthrough chapt
 
 Training (train_heads.py) needs the same forward without the paged cache: `training_attention`
 masks many anchors' blocks at once, and `block_pass` is the teacher-forced pass its loss (and
-the natural-text proxy, text_proxy.py) is built on.
+the natural-text proxy, lab/text_proxy.py) is built on.
 """
 from __future__ import annotations
 

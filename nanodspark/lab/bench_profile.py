@@ -2,8 +2,8 @@
 
 The cost scheduler (cost_scheduler.py) needs T(bs, K), the seconds of one verify step with bs
 requests and K extra (draft) verify tokens, measured on this device; `cost_table.py` holds the
-table and its statistics (rounds, round-adjusted estimate, isotonic forcing, trend gate). This
-file supplies what is timed. Walkthrough: chapter 07 §4 and §9; figures: chapter 09 §5a.
+table (isotonic forcing, lookup) and `profile_stats.py` its statistics (rounds, round-adjusted
+estimate, trend gate). This file supplies what is timed. Walkthrough: chapter 07 §4 and §9; figures: chapter 09 §5a.
 
 `--scope whole` (default, `whole_step_runner`) times whole `engine.step()` calls of bs decoding
 requests built from mixed workload prompts, with the windows forced to add up to K and no draft
