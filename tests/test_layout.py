@@ -1,0 +1,97 @@
+"""The house has three rooms (walkthrough/00_design.md): the core at the top of `nanodspark/`,
+the server in `nanodspark/server/`, the lab in `nanodspark/lab/`. The core never imports the
+other two; this walks every import of every core module (function-level imports included) with
+`ast`, so a new core file is checked the day it is added."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "nanodspark"
+ENTRY_POINTS = {"bench.py"}          # `python -m nanodspark.bench`: hands its arguments to the lab
+CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ENTRY_POINTS)
+ROOMS = ("nanodspark.lab", "nanodspark.server")
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Absolute names of every module that `source` (a module of `package`) imports: relative
+    imports resolved, `from . import x` counted as importing `package.x`, and
+    `importlib.import_module("...")` / `__import__("...")` with a literal name too."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)   # `from nanodspark import lab`
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            names.add(str(node.args[0].value))
+    return names
+
+
+def imports_of(path: Path) -> set[str]:
+    return imported_modules(path.read_text(), ".".join(path.relative_to(ROOT).parts[:-1]))
+
+
+def in_a_room(module: str) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in ROOMS)
+
+
+def test_the_walk_sees_every_kind_of_import():
+    assert "nanodspark.runner" in imports_of(PKG / "engine.py")                     # `from .runner import`
+    assert "nanodspark.speculative" in imports_of(PKG / "engine.py")                # inside a method
+    assert "nanodspark.cost_table" in imports_of(PKG / "lab" / "profile_stats.py")  # `from ..cost_table`
+    for src in ("from .lab import plots", "from . import server", "import nanodspark.lab.workloads",
+                "def f():\n    from .lab.bench import main", "import importlib\nimportlib.import_module('nanodspark.lab')"):
+        assert any(in_a_room(m) for m in imported_modules(src, "nanodspark")), src
+    assert not any(in_a_room(m) for m in imported_modules("from .loader import EOT\nimport labrador", "nanodspark"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_core_never_imports_the_lab_or_the_server(path):
+    bad = sorted(m for m in imports_of(path) if in_a_room(m))
+    assert not bad, f"core module nanodspark/{path.name} imports {bad}; core must not depend on the lab or the server"
+
+
+def test_the_rooms_are_packages_that_pip_installs():
+    """Every package under nanodspark/ is listed in pyproject.toml, so `pip install .` ships it."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1)))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+    assert {"nanodspark.server", "nanodspark.lab", "nanodspark.lab.recipes"} <= found
+
+
+def test_moved_names_are_still_found_where_they_were():
+    import nanodspark.engine as engine
+    import nanodspark.request as request
+    import nanodspark.scheduler as scheduler
+    for name in ("Status", "SpecStats", "Request", "RequestOutput", "GenerationOutput"):
+        assert getattr(engine, name) is getattr(request, name)
+    assert engine.Scheduler is scheduler.Scheduler
+
+
+def test_server_public_names():
+    pytest.importorskip("fastapi")
+    import nanodspark.server as server
+    for name in ("create_app", "OpenAIServer", "HTTPServer", "EngineLoop", "Metrics", "APIError",
+                 "bad_request", "get_field", "message_text", "sse_event", "usage_of", "parse_sampling"):
+        assert name in server.__all__ and hasattr(server, name)
+
+
+def test_bench_entry_point_runs_the_lab_cli(capsys):
+    from nanodspark import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m nanodspark.bench") and "dspark-table" in out
