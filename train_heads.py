@@ -272,14 +272,16 @@ def load_train_state(out: Path, drafter, opt, gen, budget: dict) -> tuple[int, f
 def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Run full-block speculative decoding; per proposal: raw conf logits, prefix labels, valid,
     and the id of the request (prompt) it came from."""
-    spec = llm.engine.spec
-    rec = []
-    spec.recorder = rec
-    spec.position_trials = [0] * spec.gamma
-    spec.position_accepts = [0] * spec.gamma
+    from nanodspark.observers import CalibrationRecorder
+    eng = llm.engine
+    recorder = CalibrationRecorder()
+    eng.extra_observers.append(recorder)
+    m = eng.metrics
+    m.position_trials = [0] * eng.gamma
+    m.position_accepts = [0] * eng.gamma
     outs = llm.generate(prompts, params, use_tqdm=False)
-    spec.recorder = None
-    g = spec.gamma
+    eng.extra_observers.remove(recorder)
+    rec, g = recorder.records, eng.gamma
     z = torch.stack([r[0] for r in rec]) if rec else torch.zeros(0, g)
     k = torch.arange(g)
     acc = torch.tensor([r[1] for r in rec])
@@ -290,7 +292,7 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     groups = torch.tensor([prompt_of.setdefault(r[3], len(prompt_of)) for r in rec], dtype=torch.int64)
     steps = sum(o.spec["steps"] for o in outs)
     tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
-    cond = [a / t if t else None for a, t in zip(spec.position_accepts, spec.position_trials)]
+    cond = [a / t if t else None for a, t in zip(m.position_accepts, m.position_trials)]
     rep = repeated_ngram_fraction([(p, o.token_ids) for p, o in zip(prompts, outs)])
     return z, labels, valid, groups, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond,
                               "repeated_4gram_fraction": round(rep, 4)}

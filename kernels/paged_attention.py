@@ -87,7 +87,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_KV_START: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head_split = tl.program_id(1)
@@ -115,9 +115,13 @@ def _paged_attention_kernel(
 
     # ---- which keys: [lo, hi) covers every key some row of this tile may read -----------------
     first_pos = kv_len - q_len               # position of the request's first query row
-    pos = first_pos + qi                     # position of each row
-    last_row = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
-    hi = tl.minimum(kv_len, first_pos + last_row + 1)
+    if CAUSAL:
+        pos = first_pos + qi                 # position of each row
+        last_row = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
+        hi = tl.minimum(kv_len, first_pos + last_row + 1)
+    else:                                    # every row reads every key < kv_len
+        pos = qi * 0 + kv_len - 1
+        hi = kv_len
     lo = kv_len * 0
     if HAS_KV_START:
         lo = tl.load(kv_start_ptr + r)
@@ -301,7 +305,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                     *, scale: float, sliding_window: int = 0, kv_start: torch.Tensor | None = None,
                     max_q_len: int | None = None, out: torch.Tensor | None = None,
-                    config: AttentionConfig | None = None, stats: dict | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, stats: dict | None = None,
+                    causal: bool = True) -> torch.Tensor:
     """Attention of a packed ragged batch over a paged KV cache; returns o [T, Hq, D].
 
     Semantics: walkthrough/00_design.md (and `kernels.reference.paged_attention_ref`).
@@ -309,7 +314,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device-to-host sync). `out` may be passed (e.g. a CUDA-graph buffer). `config` overrides
     the tile sizes / split count that `pick_config` would choose. If `stats` is a dict, the
     compiled kernel's registers per thread, spilled registers and shared memory are put in it
-    (the benchmark's configuration sweep records them)."""
+    (the benchmark's configuration sweep records them). `causal=False`: every row of a request
+    reads all its keys below `kv_lens` (the drafter's bidirectional block; no window)."""
     T, Hq, D = q.shape
     B = cu_seqlens_q.shape[0] - 1
     PAGE, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -365,7 +371,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         USE_WINDOW=sliding_window > 0, HAS_KV_START=kv_start is not None, SPLIT=split,
         F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if stats is not None:
         meta = getattr(compiled, "metadata", None)       # Triton keeps `shared` there in 3.x

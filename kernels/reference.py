@@ -59,11 +59,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         kv_lens: torch.Tensor, *, scale: float, sliding_window: int = 0,
                         kv_start: torch.Tensor | None = None, max_q_len: int | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """Attention of a packed ragged batch over a paged KV cache. Returns o [T, Hq, D].
 
     See the module docstring and walkthrough/00_design.md for the exact semantics.
-    `max_q_len` is accepted for interface parity with the Triton kernel and ignored."""
+    `max_q_len` is accepted for interface parity with the Triton kernel and ignored.
+    `causal=False`: every row of a request reads all its keys below `kv_lens` (no window)."""
     del max_q_len
     T, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -107,7 +108,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         chunk = max(1, _MAX_SCORE_ELEMS // max(1, Hq * (hi - lo)))
         for c0 in range(0, L, chunk):
             c1 = min(L, c0 + chunk)
-            pos = torch.arange(first + c0, first + c1, device=dev)          # [l]
+            pos = (torch.arange(first + c0, first + c1, device=dev) if causal   # [l]
+                   else torch.full((c1 - c0,), kv_len - 1, device=dev))
             mask = (key_pos[None, :] <= pos[:, None]) & present[None, :]   # [l, S]
             if sliding_window > 0:
                 mask &= (pos[:, None] - key_pos[None, :]) < sliding_window

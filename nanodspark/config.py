@@ -171,8 +171,15 @@ class EngineConfig:
     cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
     verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
     verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
+    # --- execution (walkthrough 10 and 11) ---
+    cuda_graphs: bool = True              # replay decode steps from CUDA graphs (CUDA and the triton backend only)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    # request slots of the captured tiers (those above max_num_seqs are dropped)
+    graph_token_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    # verify-token tiers per slot count when the verify mode trims: slots + fraction * slots * gamma
+    overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; overlap_loop.py)
     # --- progress ---
-    use_tqdm: bool = True                 # progress bar in LLM.generate
+    use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -187,8 +194,12 @@ class EngineConfig:
             raise ValueError("block_size must be a positive power of two")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
-        if self.verify_mode not in ("static", "compact", "cap-accept"):
-            raise ValueError(f"verify_mode must be static, compact or cap-accept, not {self.verify_mode!r}")
+        from .verify import VerifyMode
+        VerifyMode.parse(self.verify_mode)
+        if not self.graph_batch_sizes or min(self.graph_batch_sizes) < 1:
+            raise ValueError("graph_batch_sizes must be positive slot counts")
+        if not self.graph_token_fractions or not all(0 <= f <= 1 for f in self.graph_token_fractions):
+            raise ValueError("graph_token_fractions must lie in [0, 1]")
         if self.verify_min_gain < 0 or self.verify_lag < 1:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

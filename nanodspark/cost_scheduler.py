@@ -321,6 +321,86 @@ class CostScheduler:
             self.record(step, slot_ids, generation_ids, conf_current)
         return plan
 
+    def budget(self, slot_ids, generation_ids, step: int) -> tuple[int, bool, float]:
+        """The host's half of planning a verify step of R = len(slot_ids) requests whose windows
+        the device chooses: (budget, trim, predicted step time). The budget comes from the
+        survivals pushed `lag` steps ago (the relay), never from this step's drafts, which the
+        host has not seen: that is what lets the device pick the windows (top-K under the
+        budget) and the step be launched without waiting."""
+        R, mode = len(slot_ids), self.effective_mode()
+        full = R * self.gamma
+        if mode == "static":
+            return full, False, self._predict(R, full)
+        times = self.cost_table.curve(R, full)
+        if times[-1] <= (1.0 + self.min_gain) * times.min():
+            budget = full          # no survivals can pass the guard at this batch size
+        else:
+            lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step)
+            budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
+        return budget, True, float(times[budget if mode == "compact" else full])
+
     def record(self, step: int, slot_ids, generation_ids, conf) -> None:
         """Push a step's confidences into the relay (used by `plan(record=True)`)."""
         self.relay.push(step, slot_ids, generation_ids, conf)
+
+
+# =============================================================================================
+# window policies: who decides the host's half of a verify step (one type, injected)
+# =============================================================================================
+
+class WindowPolicy:
+    """Decides, before a decode step is launched, its budget and window caps (step.WindowPlan);
+    the device then chooses the windows. `observe` sees each step's result once applied."""
+
+    def plan(self, requests, step: int):
+        raise NotImplementedError
+
+    def observe(self, result) -> None:
+        pass
+
+
+class StaticWindows(WindowPolicy):
+    """Full blocks for everyone (verify_mode static, or no cost table)."""
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def plan(self, requests, step: int):
+        from .step import WindowPlan
+        R = len(requests)
+        return WindowPlan(R * self.gamma, False, [self.gamma] * R, self.gamma)
+
+
+class CostWindows(WindowPolicy):
+    """The cost scheduler: a budget from confidences `lag` steps old, top-K windows on the device."""
+
+    def __init__(self, scheduler: CostScheduler):
+        self.scheduler, self.gamma = scheduler, scheduler.gamma
+
+    def plan(self, requests, step: int):
+        from .step import WindowPlan
+        slots, gens = [r.slot for r in requests], [r.generation for r in requests]
+        budget, trim, predicted = self.scheduler.budget(slots, gens, step)
+        return WindowPlan(budget, trim, [self.gamma] * len(requests), self.gamma, predicted)
+
+    def observe(self, result) -> None:
+        rows = [c for c in result.commits if c.verify is not None]
+        if rows:
+            self.scheduler.record(result.step, [c.request.slot for c in rows], [c.request.generation for c in rows],
+                                  np.array([c.verify.conf for c in rows], dtype=np.float32))
+
+
+class ForcedWindows(WindowPolicy):
+    """Windows chosen by a function of the requests (tests, the step-cost profile); `accept_cap`
+    caps accepted drafts (0: every step commits only the target's own token)."""
+
+    def __init__(self, gamma: int, fn, accept_cap: int | None = None):
+        self.gamma, self.fn, self.accept_cap = gamma, fn, accept_cap
+
+    def plan(self, requests, step: int):
+        from .step import WindowPlan
+        R = len(requests)
+        if self.accept_cap is not None and not all(r.params.greedy for r in requests):
+            raise ValueError("accept_cap (step-cost profiling) supports greedy requests only")
+        caps = [max(0, min(self.gamma, int(w))) for w in self.fn(requests)]
+        return WindowPlan(R * self.gamma, False, caps, self.gamma if self.accept_cap is None else self.accept_cap)

@@ -45,7 +45,9 @@ from torch import nn
 
 from .calibration import apply_temperatures
 from .config import ModelConfig
-from .model import DecoderLayer, DenseAttentionContext, RMSNorm, apply_rope, rope_cos_sin
+from .model import (TORCH_OPS, DecoderLayer, DenseAttentionContext, GroupMeta, Ops, PagedAttentionContext, RMSNorm,
+                    apply_rope, rope_cos_sin)
+from .sampling import GREEDY_BELOW, STREAM_DRAFT, SamplingTensors, gumbel_argmax, probs_from_logits
 
 
 @dataclass
@@ -87,7 +89,7 @@ class DrafterConfig:
 
 class DraftLayer(DecoderLayer):
     """The target's pre-norm decoder layer (same parameters and names; the draft config has no
-    experts, so its MLP is dense) whose attention also sees the injected context K/V."""
+    experts, so its MLP is dense); its attention context also holds the injected context K/V."""
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
         """Injection: this layer's k/v projections of the context features (no input norm)."""
@@ -98,12 +100,30 @@ class DraftLayer(DecoderLayer):
             k = a.k_norm(k)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, attend):
-        a = self.self_attn
-        q, k, v = a.qkv(self.input_layernorm(x), cos, sin)
-        o = attend(a.layer_idx, q, k, v, a.scale)
-        x = x + a.o_proj(o.reshape(x.shape[0], -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+@dataclass
+class DraftKV:
+    """The drafter's paged context cache `[L, 2, blocks, bs, Hkv, D]` seen as one KV group."""
+    cache: torch.Tensor
+
+    def layer(self, i: int):
+        return "draft", self.cache[i, 0], self.cache[i, 1]
+
+
+def positions_to_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of each position of each request, on the device: block_tables int32 [R, W],
+    positions [R, n] -> int64 [R, n]; -1 where the table has no block (a padding row)."""
+    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
+    blk = block_tables.gather(1, col).long()
+    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)
+
+
+def row_slots(block_tables: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor,
+              block_size: int) -> torch.Tensor:
+    """Slot of each packed row: block_tables [R, W], row_req [T] (its request), positions [T]."""
+    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
+    blk = block_tables[row_req, col].long()
+    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)
 
 
 @dataclass
@@ -151,13 +171,15 @@ class Drafter(nn.Module):
     def context_features(self, captured: list[torch.Tensor]) -> torch.Tensor:
         return self.hidden_norm(self.fc(torch.cat(captured, dim=-1)))
 
-    def backbone(self, block_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Block tokens [N] at positions [N] -> final hidden states [N, H]."""
+    def backbone(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """Block tokens [N] at positions [N] -> final hidden states [N, H]. `ctx` is an attention
+        context (serving: the paged one built in `propose`; training: `training_attention`)."""
         x = self.embed(block_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return ctx.ops.add_rmsnorm(x, residual, self.norm)[0]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
         return self.markov_w2(self.markov_w1(prev)).float() if self.config.markov_rank else 0.0
@@ -170,46 +192,67 @@ class Drafter(nn.Module):
 
     # -- inference ---------------------------------------------------------------------------
     def inject(self, captured: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
-               cache: torch.Tensor) -> None:
-        """Store the context K/V of committed positions. cache: [L, 2, blocks, bs, Hkv, D]."""
-        keep = slots >= 0
-        if not bool(keep.any()):
-            return
-        feats = self.context_features([c[keep] for c in captured])
-        cos, sin = rope_cos_sin(positions[keep], self.config.head_dim, self.config.rope_theta, feats.dtype)
-        flat = cache.view(cache.shape[0], 2, -1, cache.shape[-2], cache.shape[-1])
-        s = slots[keep]
+               cache: torch.Tensor, ops: Ops = TORCH_OPS) -> None:
+        """Store the context K/V of committed positions at `slots` (a negative slot stores
+        nothing: a rejected draft, a replay row, a padding row). cache: [L, 2, blocks, bs, Hkv, D].
+        Every row is computed and the store skips the negative ones, so no host sync is needed."""
+        feats = self.context_features(captured)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, feats.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(feats, cos, sin)
-            flat[i, 0, s] = k.to(cache.dtype)
-            flat[i, 1, s] = v.to(cache.dtype)
+            ops.kv_norm_rope_store(layer.self_attn, feats, cos, sin, cache[i, 0], cache[i, 1], slots)
 
-    @torch.inference_mode()
-    def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
-                block_tables: torch.Tensor, block_size: int, sample_fn) -> Draft:
-        """One drafting pass for R requests whose context is cached up to `anchor_pos` (exclusive).
+    def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
+                     block_tables: torch.Tensor, block_size: int, ops: Ops = TORCH_OPS) -> torch.Tensor:
+        """The parallel backbone over the blocks `[anchor, mask x (gamma-1)]` of R requests whose
+        context is cached below `anchor_pos`: hidden states [R, gamma, H].
 
-        sample_fn(row_logits [R, V], k) -> (tokens [R], probs [R, V] or None) applies each
-        request's sampling rule to slot k's Markov-corrected logits."""
+        The block's own K/V are stored at the slots of positions anchor .. anchor + gamma - 1
+        (reserved with the verify window; the injection of committed positions overwrites them
+        later), and every block query reads all keys below anchor + gamma: the cached context
+        and, bidirectionally, the block itself."""
         R, g = anchors.shape[0], self.config.gamma
         dev = anchors.device
         ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         pos = anchor_pos[:, None] + torch.arange(g, device=dev)[None, :]
-        attend = BlockAttention(cache, block_tables, anchor_pos, block_size, g)
-        h = self.backbone(ids.reshape(-1), pos.reshape(-1), attend).view(R, g, -1)
+        meta = GroupMeta(block_tables, positions_to_slots(block_tables, pos, block_size).reshape(-1),
+                         (anchor_pos + g).to(torch.int32))
+        cu = (torch.arange(R + 1, device=dev) * g).to(torch.int32)
+        ctx = PagedAttentionContext(DraftKV(cache), cu, g, {"draft": meta}, ops, causal=False)
+        return self.backbone(ids.reshape(-1), pos.reshape(-1), ctx).view(R, g, -1)
+
+    @torch.inference_mode()
+    def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
+                block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
+                ops: Ops = TORCH_OPS) -> Draft:
+        """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
+        sequential stage, slot by slot: base logits plus the Markov bias of the previous token
+        (the anchor for slot 0), the confidence of the slot, and its token. Sampling (st; None =
+        every request greedy) draws slot k with the request's keyed noise on stream DRAFT at the
+        position it proposes, anchor + k + 1. No host sync: this runs inside a CUDA graph."""
+        h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
         base = self.lm_head(h).float()
         prev, toks, probs, zs = anchors, [], [], []
-        for k in range(g):  # the sequential stage: cheap, one bigram bias per slot
+        for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
             logits = base[:, k] + self.markov_bias(prev)
             zs.append(self.confidence_logit(h[:, k], prev))
-            t, p = sample_fn(logits, k)
+            t = logits.argmax(-1)
+            if st is not None:
+                p = probs_from_logits(logits, st)
+                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, STREAM_DRAFT)
+                t = torch.where(st.temperature < GREEDY_BELOW, t, drawn)
+                probs.append(p)
             toks.append(t)
-            probs.append(p)
             prev = t
         z = torch.stack(zs, 1)
         conf = apply_temperatures(z, self.sts_temperature, self.sts_shift)
-        return Draft(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), z, conf)
+        return Draft(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None, z, conf)
+
+    def fuse(self) -> "Drafter":
+        for layer in self.layers:
+            if layer.self_attn.qkv_weight is None:
+                layer.fuse()
+        return self
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -243,36 +286,6 @@ class Drafter(nn.Module):
         return d.to(device=device, dtype=dtype).eval()
 
 
-class BlockAttention:
-    """Attention of the gamma block queries of R requests: over each request's cached context
-    (positions < anchor_pos, read through its block table) and, bidirectionally, over the block's
-    own keys. Plain torch, batched: contexts are gathered to a common length and masked."""
-
-    def __init__(self, cache, block_tables, anchor_pos, block_size, gamma):
-        self.cache, self.g = cache, gamma
-        R = block_tables.shape[0]
-        n_blocks = max(1, (int(anchor_pos.max()) + block_size - 1) // block_size)
-        self.blocks = block_tables[:, :n_blocks].long().clamp_min(0)      # -1 entries are masked below
-        L = n_blocks * block_size
-        ctx_ok = torch.arange(L, device=anchor_pos.device)[None, :] < anchor_pos[:, None]   # [R, L]
-        blk_ok = torch.ones(R, gamma, dtype=torch.bool, device=anchor_pos.device)
-        self.mask = torch.cat([ctx_ok, blk_ok], 1)[:, None, None, :]                      # [R, 1, 1, L+g]
-
-    def __call__(self, layer: int, q, k, v, scale: float):
-        R, g = self.blocks.shape[0], self.g
-
-        def ctx(cache):  # [R, n_blocks, bs, Hkv, D] -> [R, Hkv, L, D]
-            c = cache[self.blocks]
-            return c.reshape(R, -1, c.shape[-2], c.shape[-1]).transpose(1, 2).to(q.dtype)
-
-        def heads(t):
-            return t.view(R, g, t.shape[1], t.shape[2]).transpose(1, 2)
-        kk = torch.cat([ctx(self.cache[layer, 0]), heads(k)], dim=2)
-        vv = torch.cat([ctx(self.cache[layer, 1]), heads(v)], dim=2)
-        o = F.scaled_dot_product_attention(heads(q), kk, vv, attn_mask=self.mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(R * g, o.shape[1], o.shape[3])
-
-
 def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anchors: torch.Tensor,
                        gamma: int):
     """Attention for training (train_heads.py), over a batch of B sequences at once.
@@ -296,7 +309,18 @@ def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anc
         vv = torch.cat([ctx_v[layer].transpose(1, 2), heads(v)], dim=2)
         o = F.scaled_dot_product_attention(heads(q), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * A * gamma, o.shape[1], o.shape[3])
-    return attend
+    return FunctionContext(attend)
+
+
+@dataclass
+class FunctionContext:
+    """An attention context around `fn(layer, q, k, v, scale)` (plain torch ops)."""
+    fn: object
+    ops: Ops = TORCH_OPS
+
+    def attend(self, attn, qkv, cos, sin):
+        q, k, v = attn.split_norm_rope(qkv, cos, sin)
+        return self.fn(attn.layer_idx, q, k, v, attn.scale)
 
 
 @dataclass

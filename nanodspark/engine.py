@@ -1,28 +1,33 @@
-"""The engine: the step, the commit, and the offline API (`LLM`).
+"""The engine: choose, launch, commit — and the offline API (`LLM`).
 
-One step is four lines (`LLMEngine.step`): the `Scheduler` (scheduler.py) chooses what each
-request feeds this step, the `ModelRunner` runs one forward (or, with a drafter, the
-`SpecDecoder` drafts and verifies), and the engine applies the typed result: commit tokens,
-stop, free. Requests and the records the engine answers with are in request.py; this file also
-picks the device and dtype and keeps `PhaseClock`, the host time of each phase of a step.
+One step is four lines (`LLMEngine.step` through the loop of overlap_loop.py): the `Scheduler`
+(scheduler.py) *chooses* what each request feeds this step, the `Executor` (step.py) *drafts
+and verifies* on the device — the prefill chunks in one eager forward, the decoding requests in
+one decode step (speculative.py) replayed from a CUDA graph when a tier fits (ragged_graphs.py)
+— and the engine *commits* the typed `StepResult`: new tokens, stops, rollback of rejected
+slots, published blocks, frees. Requests and the records the engine answers with are in
+request.py; this file also picks the device and dtype and keeps `PhaseClock`.
 
 Continuous batching. Every request is a token list `prompt + output` of which the first
 `num_computed` have KV in the cache. A step feeds each running request the next slice of that
-list: a prefill chunk, or the single last token (decode). When a slice reaches the end of the
-list, its last row's logits sample one new token. Prefill and decode of different requests mix
-freely in one forward under a token budget (`max_num_batched_tokens`), so a long prompt is
-prefilled in chunks while others keep decoding.
+list: a prefill chunk, or a verify window (a single token without a drafter). When a prefill
+slice reaches the end of the list, its last row samples one new token on the device, where the
+next decode step finds it.
 
 KV budget. A request is admitted when its prompt's blocks fit. When a running request cannot
 grow, the most recently admitted request is preempted: its blocks are freed and it goes back to
 the front of the queue, to be recomputed from its prompt *and* its output so far (recompute is
-exact under greedy decoding, and seeded sampling keeps its generator). No request is dropped;
-one that could never fit in the whole cache is refused at `add_request` with a `ValueError`.
+exact: sampling is keyed by seed and position, sampling.py). No request is dropped; one that
+could never fit in the whole cache is refused at `add_request` with a `ValueError`.
+
+Failures. A request whose logits are not finite is finished with reason "error" and the batch
+goes on; an exception in a step (out of memory, a kernel error) propagates to the caller, which
+may call `fail_all` and keep serving new requests.
 
 Invariants: a request's block tables cover exactly its reserved tokens; every row a step
-computes has a reserved slot (a decoding request reserves its whole verify window, also when it
-is admitted decoding after a full prefix hit); a finished or aborted request holds no blocks;
-`num_computed <= len(prompt) + len(output)`. Walkthrough chapter 01.
+computes has a reserved slot; a finished or aborted request holds no blocks and no slot;
+`num_computed <= len(prompt) + len(output)`; a commit for a request that finished while the
+step was in flight is dropped. Walkthrough chapter 01.
 """
 from __future__ import annotations
 
@@ -34,13 +39,16 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import detokenize
+from .device_state import DeviceState, StateWrites
 from .loader import Tokenizer, load_model, resolve_model_dir
-from .model import KVCache
+from .model import KVCache, ops_for
 from .paged_kv import BlockManager
 from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status
 from .runner import Chunk, ModelRunner
-from .sampling import SamplingParams, make_generator, sample_tokens, target_probs
-from .scheduler import Scheduler
+from .sampling import SamplingParams, draw_seed
+from .scheduler import Drain, Scheduler
+from .step import Executor, StepPlan, StepResult
+from .verify import VerifyMode
 
 # The request records and the scheduler live in request.py and scheduler.py; they are named here
 # too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
@@ -124,24 +132,50 @@ class LLMEngine:
             raise ValueError("attention_backend='triton' needs CUDA (or, for tests, TRITON_INTERPRET=1 "
                              "set before Triton is imported); use 'torch' on CPU")
         self.model_name = str(model_path or "default")  # the key of this model's cost table
-        drafter = self._load_drafter(model_dir)
+        self.ops = ops_for(self.backend)
+        self.drafter = drafter = self._load_drafter(model_dir)
+        self.gamma = drafter.config.gamma if drafter is not None else 0
+        if self.backend == "triton":            # one GEMM for q/k/v and for gate/up
+            self.model.fuse()
+            if drafter is not None:
+                drafter.fuse()
         num_blocks = self._num_kv_blocks(drafter)
         self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
-        self.spec = None
-        self.clock = PhaseClock()
+        draft_cache = None
         if drafter is not None:
             managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
-            self.spec = self._make_spec(drafter, managers["draft"], num_blocks)
+            dc = drafter.config
+            draft_cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads,
+                                      dc.head_dim, dtype=self.dtype, device=self.device)
         if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
                              f"({self.decode_rows} rows = anchor + gamma drafts)")
         self.scheduler = Scheduler(cfg, mc, managers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
-        self.default_generator = make_generator(cfg.seed, self.device, None)
+        max_blocks = -(-(self.max_model_len + 2 * self.decode_rows) // cfg.block_size)
+        self.state = DeviceState(cfg.max_num_seqs, list(managers), max_blocks, self.device)
+        self.writes = StateWrites()
+        self.verify_mode = VerifyMode.parse(cfg.verify_mode)
+        from .speculative import SpecStep
+        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache)
+        spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
+                        drafter, draft_cache)
+        use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
+        self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
+                                 cfg.graph_batch_sizes, cfg.graph_token_fractions)
+        self.windows = self._window_policy()
+        from .observers import SpecMetrics
+        self.metrics = SpecMetrics(self.gamma, self.verify_mode) if drafter is not None else None
+        self.extra_observers: list = []     # e.g. train_heads' CalibrationRecorder
+        self.seed_generator = torch.Generator().manual_seed(cfg.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.clock = PhaseClock()
+        from .overlap_loop import OverlapLoop, SyncLoop
+        self.loop = OverlapLoop(self) if cfg.overlap and self.device.type == "cuda" else SyncLoop(self)
+        if use_graphs:
+            self.executor.graphs.capture([(True, False), (False, False)], progress=cfg.use_tqdm)
 
     def _load_drafter(self, model_dir):
         from .drafter import Drafter
@@ -158,18 +192,16 @@ class LLMEngine:
                              f"{d.config.gamma}; serve with its own gamma (trim with verify_mode instead)")
         return d
 
-    def _make_spec(self, drafter, manager, num_blocks):
-        from .cost_scheduler import CostScheduler
+    def _window_policy(self):
+        from .cost_scheduler import CostScheduler, CostWindows, StaticWindows
         from .cost_table import CostTable
-        from .speculative import SpecDecoder
-        dc, cfg = drafter.config, self.config
-        cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads, dc.head_dim,
-                            dtype=self.dtype, device=self.device)
+        cfg = self.config
+        if self.drafter is None or not self.verify_mode.trims:
+            return StaticWindows(self.gamma)
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
-        sched = CostScheduler(dc.gamma, cfg.max_num_seqs + cfg.max_waiting + 1, mode=cfg.verify_mode, cost_table=table,
-                              lag=cfg.verify_lag, min_gain=cfg.verify_min_gain)
-        return SpecDecoder(drafter, manager, cache, cfg.verify_mode, sched, cfg.max_num_seqs + cfg.max_waiting + 1)
+        return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
+                                         lag=cfg.verify_lag, min_gain=cfg.verify_min_gain))
 
     def _num_kv_blocks(self, drafter=None) -> int:
         cfg, mc = self.config, self.model_config
@@ -205,7 +237,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
                              "(prompt plus at least one new token)")
-        worst = min(len(ids) + params.max_tokens, self.max_model_len) + self.decode_rows
+        limit = min(len(ids) + params.max_tokens, self.max_model_len)
+        worst = limit + self.decode_rows
         for bm in self.scheduler.managers.values():
             if bm.blocks_for(worst) > bm.num_blocks:
                 raise ValueError(f"request needs up to {bm.blocks_for(worst)} KV blocks, the cache has "
@@ -215,7 +248,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, make_generator(params.seed, self.device, self.default_generator))
+        seed = draw_seed(self.seed_generator) if params.seed is None else (params.seed + 2**63) % 2**64 - 2**63
+        req = Request(request_id, ids, params, seed, limit)
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return req
@@ -224,15 +258,18 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status == Status.FINISHED:
             return None
-        if req in self.scheduler.running:
-            self.scheduler.running.remove(req)
-        if req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
-        self.scheduler.free(req)
         return self._finish(req, "abort")
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After an engine-wide fault: finish every request with an error; the engine (its device
+        state rebuilt as requests are admitted again) keeps serving new ones."""
+        outs = [self._finish(r, "error", error=message) for r in list(self.scheduler.running) +
+                list(self.scheduler.waiting)]
+        self.loop.forget()
+        return outs
+
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.loop.pending)
 
     def kv_usage(self) -> dict:
         return {g: dict(used=bm.num_used_blocks, free=bm.num_free_blocks, total=bm.num_blocks)
@@ -241,50 +278,96 @@ class LLMEngine:
     @property
     def decode_rows(self) -> int:
         """Slots a decoding request reserves per step: 1, or anchor + gamma drafts with a drafter."""
-        return 1 + (self.spec.gamma if self.spec else 0)
+        return 1 + self.gamma
 
-    # -- the step ---------------------------------------------------------------------------
+    # -- the step: choose -> launch (draft, verify) -> commit -------------------------------
     def step(self) -> list[RequestOutput]:
-        self.clock.start()                                   # host time per phase (bench dspark)
-        plan = self.scheduler.schedule(self.decode_rows)     # choose
-        if not plan:
-            return []
-        self.clock.lap("schedule")
-        commits = self.spec.step(self, plan) if self.spec else self.forward_and_sample(plan)  # draft -> verify
-        outs = [self._apply(req, toks) for req, toks in commits]  # commit
-        self.clock.lap("apply")
-        self.clock.steps += 1
+        return self.loop.step()
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Choose: (request, rows) for the next step. Raises `Drain` when it must preempt a
+        request whose step is in flight."""
+        return self.scheduler.schedule(self.decode_rows)
+
+    def launch(self, plan: list[tuple[Request, int]]):
+        """Start the step on the device and return its `StepHandle` without waiting. What the
+        host already knows is applied here: prefill rows advance `num_computed`, the in-flight
+        counters grow, new slots get their sampling parameters, new blocks reach the device."""
+        w, sp = self.writes, StepPlan()
+        decoding = [req for req, _ in plan if req.is_decoding]
+        if decoding:        # first: a policy may refuse the step before anything has changed
+            sp.windows = self.windows.plan(decoding, self.executor.steps)
+        for req, rows in plan:
+            self._sync_state(req)
+            if req.is_decoding:
+                if not req.device_anchor:      # it became decoding on the host (prompt or prefix hit)
+                    w.anchors.append((req.slot, req.num_computed, req.last_id))
+                    req.device_anchor = True
+                sp.decode.append(req)
+                sp.decode_slots.append(req.slot)
+                req.inflight += 1
+                req.decode_inflight += 1
+            else:
+                start = req.num_computed
+                sample = start + rows >= req.num_tokens
+                sp.chunks.append(Chunk(req.slot, start, req.ids(start, start + rows), sample, req.replay_until,
+                                       min(t.num_tokens for t in req.tables.values())))
+                sp.chunk_owners.append(req)
+                req.num_computed += rows
+                req.inflight += sample
+                req.device_anchor = sample
+        reqs = sp.decode + [r for r, c in zip(sp.chunk_owners, sp.chunks) if c.sample]
+        sp.greedy_only = all(r.params.greedy for r in reqs)
+        sp.truncates = any(r.params.truncates for r in reqs)
+        self.state.apply(w)
+        return self.executor.launch(sp)
+
+    def _sync_state(self, req: Request) -> None:
+        """Queue what the device does not know yet about `req`: its parameters (new slot) and the
+        block-table entries allocated since the last step."""
+        w = self.writes
+        if not req.synced:
+            p = req.params
+            w.params.append((req.slot, req.limit_len, req.kv_start, p.top_k if not p.greedy else 0, req.seed,
+                             0.0 if p.greedy else float(p.temperature), float(p.top_p)))
+        for g, t in req.tables.items():
+            n = min(req.synced.get(g, 0), len(t.blocks))
+            if n < len(t.blocks):
+                w.tables.setdefault(g, []).extend((req.slot, i, b) for i, b in enumerate(t.blocks[n:], n))
+            req.synced[g] = len(t.blocks)
+
+    def commit(self, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's result to its requests; observers see it afterwards."""
+        outs = []
+        for c in result.commits:
+            req = c.request
+            if c.verify is not None or c.tokens:
+                req.inflight -= 1
+            if c.verify is not None:
+                req.decode_inflight -= 1
+            if req.status == Status.FINISHED:
+                continue                      # finished (or aborted) while this step was in flight
+            if c.verify is not None:
+                req.num_computed += c.advanced
+                self._count(req, c.verify)
+            outs.append(self._apply(req, c.tokens))
+        for o in self.observers:
+            o.observe(result)
         return outs
 
-    def forward_and_sample(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
-        chunks = [self.chunk_of(req, rows) for req, rows in plan]
-        result = self.runner.forward(chunks)
-        commits = self.sample_commits(plan, chunks, result.logits, result.logit_offsets)
-        self.clock.lap("forward")
-        return commits
+    @property
+    def observers(self) -> list:
+        return [o for o in (self.windows, self.metrics, *self.extra_observers) if o is not None]
 
-    def chunk_of(self, req: Request, rows: int, extra: list[int] = (), logit_rows: str | None = None) -> Chunk:
-        start = req.num_computed
-        ids = req.ids(start, start + rows - len(extra)) + list(extra)
-        sampling = start + rows - len(extra) >= req.num_tokens
-        return Chunk(req.tables, start, ids, logit_rows or ("last" if sampling else "none"),
-                     req.replay_until, req.kv_start)
-
-    def sample_commits(self, plan, chunks, logits, offsets):
-        """Advance `num_computed` and sample one token for every chunk that reached the end."""
-        commits, rows, reqs = [], [], []
-        for i, ((req, n), c) in enumerate(zip(plan, chunks)):
-            req.num_computed += len(c.token_ids)
-            if c.logit_rows == "last":
-                rows.append(offsets[i])
-                reqs.append(req)
-            else:
-                commits.append((req, []))
-        if reqs:
-            params = [r.params for r in reqs]
-            toks = sample_tokens(target_probs(logits[rows], params), params, [r.generator for r in reqs]).tolist()
-            commits += [(r, [t]) for r, t in zip(reqs, toks)]
-        return commits
+    def _count(self, req: Request, v) -> None:
+        s = req.spec
+        s.steps += 1
+        s.drafted += self.gamma
+        s.verified += self.verify_mode.reported_window(v.window, v.verified)
+        s.accepted += v.accepted
+        s.committed += v.accepted + 1
+        if self.verify_mode.reports_ceiling:
+            s.ceiling += v.ceiling + 1
 
     def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Commit new tokens, publish full blocks, release window-expired blocks, check stops."""
@@ -303,9 +386,12 @@ class LLMEngine:
         if accepted and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_ids += accepted
+        keep = max(req.num_tokens, sched.reservation(req, self.decode_rows) if req.decode_inflight else 0)
         for g, t in req.tables.items():
             bm = sched.managers[g]
-            bm.truncate(t, min(t.num_tokens, req.num_tokens))  # drop rejected speculative slots
+            bm.truncate(t, min(t.num_tokens, keep))   # drop rejected speculative slots (not an in-flight step's)
+            # a block freed here and a new one taken later sit in the same column: re-sync from it
+            req.synced[g] = min(req.synced.get(g, 0), len(t.blocks))
             if g == "sliding":
                 bm.release_outside_window(t, self.model_config.sliding_window, req.num_computed)
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
@@ -315,17 +401,22 @@ class LLMEngine:
         if stop_hit:
             reason = "stop"
         if reason:
-            sched.running.remove(req)
-            sched.free(req)
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict())
 
-    def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "") -> RequestOutput:
-        req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, time.monotonic()
-        if self.spec is not None:
-            self.spec.release(req)
-        if reason == "abort" and req.text:
+    def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "",
+                error: str | None = None) -> RequestOutput:
+        sched = self.scheduler
+        if req in sched.running:
+            sched.running.remove(req)
+        if req in sched.waiting:
+            sched.waiting.remove(req)
+        sched.free(req)
+        req.status, req.finish_reason, req.finish_time, req.error = Status.FINISHED, reason, time.monotonic(), error
+        if self.metrics is not None:
+            self.metrics.release(req)
+        if reason in ("abort", "error") and req.text:
             delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict())
@@ -370,9 +461,9 @@ class LLM:
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         eng = self.engine
         reqs = [eng.add_request(p, sp, queue_limit=False) for p, sp in zip(prompts, plist)]
-        show = self.engine.config.use_tqdm if use_tqdm is None else use_tqdm
+        show = (self.engine.config.use_tqdm if use_tqdm is None else use_tqdm) and len(reqs) > 1
         bar = tqdm(total=len(reqs), desc="generate", disable=not show)
-        while any(r.status != Status.FINISHED for r in reqs):
+        while any(r.status != Status.FINISHED for r in reqs) or eng.loop.pending:
             for out in eng.step():
                 if out.finished:
                     bar.update(1)

@@ -23,6 +23,7 @@ Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,21 +78,45 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight = self.qkv_bias = None     # set by fuse(): one GEMM for q, k and v
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Project, normalise and rotate: returns q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]."""
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+    def fuse(self) -> None:
+        """One weight for the three projections; q/k/v_proj become views of it (same storage)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = None if self.q_proj.bias is None else torch.cat(
+            [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D]: q heads, then k heads, then v heads."""
+        if self.qkv_weight is not None:
+            return F.linear(x, self.qkv_weight, self.qkv_bias)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def split_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The reference of kernels/fused.py: q [T,Hq,D], k [T,Hkv,D] normalised (Qwen3) and
+        rotated; v [T,Hkv,D]."""
+        T, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.n_heads * D, self.n_kv * D, self.n_kv * D], dim=-1)
+        q, k, v = q.reshape(T, self.n_heads, D), k.reshape(T, self.n_kv, D), v.reshape(T, self.n_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        o = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
+        o = ctx.attend(self, self.project(x), cos, sin)
         return self.o_proj(o.reshape(x.shape[0], -1))
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of `linears` along their outputs and make each weight a view of
+    the result, so the model keeps its Hugging Face parameters without holding them twice."""
+    fused = torch.cat([l.weight.detach() for l in linears])
+    start = 0
+    for l in linears:
+        n = l.weight.shape[0]
+        l.weight = nn.Parameter(fused[start:start + n], requires_grad=False)
+        start += n
+    return fused
 
 
 class MLP(nn.Module):
@@ -100,8 +125,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_weight = None                # set by fuse(): one GEMM for gate and up
 
-    def forward(self, x):
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x, ctx):
+        if self.gate_up_weight is not None:
+            return self.down_proj(ctx.ops.silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -135,26 +166,35 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         weights, ids = self.route(x)
-        flat = ids.flatten()
-        counts = torch.bincount(flat, minlength=self.n_experts)
-        if self.record_load:
-            self.expert_load += counts
-        order = torch.argsort(flat, stable=True)           # group (token, slot) pairs by expert
-        token_of = order // self.top_k
-        xs = x[token_of]
-        out = torch.empty_like(xs)
+        if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
+            flat = ids.flatten()
+            self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         w = self.experts
-        start = 0
-        for e, n in enumerate(counts.tolist()):            # one host sync per MoE layer
-            if n:
-                seg = xs[start:start + n]
-                h = F.silu(seg @ w.gate_proj[e].t()) * (seg @ w.up_proj[e].t())
-                out[start:start + n] = h @ w.down_proj[e].t()
-            start += n
-        out = out * weights.flatten()[order][:, None]
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj)
+
+
+def torch_experts(x, ids, weights, w_gate, w_up, w_down) -> torch.Tensor:
+    """The reference MoE FFN: group the (token, slot) pairs by expert and run each expert on its
+    group. It reads the group sizes on the host (one sync per layer), so it cannot be captured
+    in a CUDA graph; kernels/moe.py is the graph-safe version."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=w_gate.shape[0])
+    order = torch.argsort(flat, stable=True)           # group (token, slot) pairs by expert
+    token_of = order // top_k
+    xs = x[token_of]
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):            # the host sync
+        if n:
+            seg = xs[start:start + n]
+            h = F.silu(seg @ w_gate[e].t()) * (seg @ w_up[e].t())
+            out[start:start + n] = h @ w_down[e].t()
+        start += n
+    out = out * weights.flatten()[order][:, None]
+    return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 class DecoderLayer(nn.Module):
@@ -165,9 +205,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """Pre-norm block on the residual stream: takes the previous block's output `x` and the
+        stream before it (None for the first layer), returns this block's output and stream.
+        Adding `x` to the stream is fused with the norm that follows it (ops.add_rmsnorm)."""
+        h, residual = ctx.ops.add_rmsnorm(x, residual, self.input_layernorm)
+        x = self.self_attn(h, cos, sin, ctx)
+        h, residual = ctx.ops.add_rmsnorm(x, residual, self.post_attention_layernorm)
+        return self.mlp(h, ctx), residual
+
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        if isinstance(self.mlp, MLP):
+            self.mlp.fuse()
 
 
 class DecoderStack(nn.Module):
@@ -201,12 +251,19 @@ class CausalLM(nn.Module):
                 capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        captured = []
+        captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx)
             if i in capture_layers:
-                captured.append(x)
-        return ModelOutput(self.model.norm(x), captured)
+                captured.append(x + residual)           # the layer's output (the stream after it)
+        return ModelOutput(ctx.ops.add_rmsnorm(x, residual, self.model.norm)[0], captured)
+
+    def fuse(self) -> "CausalLM":
+        """Fuse q/k/v and gate/up weights for the Triton path (one GEMM each); idempotent."""
+        for layer in self.model.layers:
+            if layer.self_attn.qkv_weight is None:
+                layer.fuse()
+        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -259,32 +316,108 @@ class GroupMeta:
     kv_start: torch.Tensor | None = None  # int32 [B], first position attention may read
 
 
-def attention_ops(backend: str):
-    """(store_kv, paged_attention) of a backend: 'torch' (reference) or 'triton'."""
-    if backend == "triton":
-        from kernels import paged_attention, store_kv
-        return store_kv, paged_attention
-    from kernels.reference import paged_attention_ref, store_kv_ref
-    return store_kv_ref, paged_attention_ref
+@dataclass(frozen=True)
+class Ops:
+    """The kernels one forward runs. `TORCH_OPS` is the reference (plain PyTorch, runs anywhere,
+    defines the semantics); `triton_ops()` fuses the small ops (kernels/fused.py), runs the MoE
+    without a host sync (kernels/moe.py) and attends with kernels/paged_attention.py."""
+    name: str
+    add_rmsnorm: Callable        # (x, residual | None, norm: RMSNorm) -> (norm(x + residual), x + residual)
+    norm_rope_store: Callable    # (attn, qkv, cos, sin, k_cache, v_cache, slots) -> q, K/V stored
+    kv_norm_rope_store: Callable  # (attn, x, cos, sin, k_cache, v_cache, slots): K/V of x only (no q)
+    paged_attention: Callable    # kernels.paged_attention's contract
+    silu_mul: Callable           # gate_up [T, 2I] -> silu(gate) * up
+    experts: Callable            # (x, ids, weights, w_gate, w_up, w_down) -> [T, H]
+
+
+def _torch_add_rmsnorm(x, residual, norm: RMSNorm):
+    if residual is not None:
+        x = x + residual
+    return norm(x), x
+
+
+def _torch_norm_rope_store(attn: Attention, qkv, cos, sin, k_cache, v_cache, slots):
+    from kernels.reference import store_kv_ref
+    q, k, v = attn.split_norm_rope(qkv, cos, sin)
+    store_kv_ref(k, v, k_cache, v_cache, slots)
+    return q
+
+
+def _torch_kv_norm_rope_store(attn: Attention, x, cos, sin, k_cache, v_cache, slots):
+    from kernels.reference import store_kv_ref
+    T, D = x.shape[0], attn.head_dim
+    k = attn.k_proj(x).view(T, attn.n_kv, D)
+    v = attn.v_proj(x).view(T, attn.n_kv, D)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, slots)
+
+
+def _torch_silu_mul(gate_up):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def _torch_paged_attention(*args, **kwargs):
+    from kernels.reference import paged_attention_ref
+    return paged_attention_ref(*args, **kwargs)
+
+
+TORCH_OPS = Ops("torch", _torch_add_rmsnorm, _torch_norm_rope_store, _torch_kv_norm_rope_store,
+                _torch_paged_attention, _torch_silu_mul, torch_experts)
+
+
+def triton_ops() -> Ops:
+    from kernels import paged_attention
+    from kernels.fused import add_rmsnorm, qk_norm_rope_store, silu_mul
+    from kernels.moe import fused_moe
+
+    def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, slots):
+        qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+        return qk_norm_rope_store(qkv, qn, kn, eps, cos, sin, k_cache, v_cache, slots,
+                                  attn.n_heads, attn.n_kv, attn.head_dim)
+
+    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
+        D = attn.n_heads * attn.head_dim
+        if attn.qkv_weight is not None:    # the k and v rows of the fused weight: one GEMM
+            kv = F.linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
+        else:
+            kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        kn = attn.k_norm.weight if attn.k_norm is not None else None
+        eps = attn.k_norm.eps if attn.k_norm is not None else 0.0
+        qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, slots, 0, attn.n_kv, attn.head_dim)
+
+    return Ops("triton", lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
+               kv_norm_rope_store, paged_attention, silu_mul, fused_moe)
+
+
+def ops_for(backend: str) -> Ops:
+    """'torch' (reference) or 'triton' (fused kernels)."""
+    return triton_ops() if backend == "triton" else TORCH_OPS
 
 
 @dataclass
 class PagedAttentionContext:
-    """Store new K/V into the paged cache, then attend over it (see kernels/)."""
+    """Store new K/V into the paged cache, then attend over it (see kernels/).
+
+    `causal=False` lets every query row of a request read all of its keys (`< kv_lens`): the
+    drafter's block attends bidirectionally to itself and to its cached context."""
     kv_cache: KVCache
     cu_seqlens_q: torch.Tensor          # int32 [B+1]
     max_q_len: int
     groups: dict[str, GroupMeta]
-    backend: str = "torch"
+    ops: Ops = TORCH_OPS
+    causal: bool = True
 
-    def attend(self, layer: int, q, k, v, *, scale: float, window: int) -> torch.Tensor:
-        store_kv, paged_attention = attention_ops(self.backend)
-        g, k_cache, v_cache = self.kv_cache.layer(layer)
+    def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
+        g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
         meta = self.groups[g]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, self.cu_seqlens_q, meta.kv_lens,
-                               scale=scale, sliding_window=window, kv_start=meta.kv_start,
-                               max_q_len=self.max_q_len)
+        q = self.ops.norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        kw = {} if self.causal else {"causal": False}
+        return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, self.cu_seqlens_q, meta.kv_lens,
+                                        scale=attn.scale, sliding_window=attn.window, kv_start=meta.kv_start,
+                                        max_q_len=self.max_q_len, **kw)
 
 
 @dataclass
@@ -292,9 +425,11 @@ class DenseAttentionContext:
     """Plain causal (optionally sliding-window) attention over a `[batch, seq]` block; training."""
     batch: int
     seq: int
+    ops: Ops = TORCH_OPS
 
-    def attend(self, layer: int, q, k, v, *, scale: float, window: int) -> torch.Tensor:
-        B, S = self.batch, self.seq
+    def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
+        q, k, v = attn.split_norm_rope(qkv, cos, sin)
+        B, S, window, scale = self.batch, self.seq, attn.window, attn.scale
         q, k, v = (t.view(B, S, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         if window:
             i = torch.arange(S, device=q.device)

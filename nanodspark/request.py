@@ -8,22 +8,26 @@ counters (`SpecStats`) and its timestamps. The engine answers with plain records
 `RequestOutput` after every step that touched a request (the new tokens and their text, for
 streaming), `GenerationOutput` once per prompt from `LLM.generate`.
 
-Who changes a request: the scheduler (tables, `num_computed` and `status` at admission and
-preemption, scheduler.py), the step (`num_computed` by the rows it computed, engine.py
-`sample_commits` or speculative.py), the engine's commit (`_apply`, `_finish`: output, text,
-stop) and the detokenizer it calls. Nothing here does work; these are data.
+Who changes a request: the scheduler (tables, slot, `num_computed` and `status` at admission
+and preemption, scheduler.py) and the engine (engine.py: at launch, the host-known prefill rows
+and the in-flight counters; at commit, the output, `num_computed` of decode steps, text, stop)
+with the detokenizer it calls. The step itself never does (step.py). Nothing here does work;
+these are data.
+
+A request may have a step *in flight* (launched, result not yet read: overlap_loop.py). Then
+the host's `num_computed` and `output_ids` are one step old, the device knows better
+(device_state.py), and `inflight` counts the launched steps that will bring it tokens.
 
 Invariants: `num_computed <= num_tokens`; a request is decoding when only its last token lacks
-KV (`is_decoding`); `text == decode(output_ids[:detok_read])` up to a stop string; a finished
-request holds no block tables; the counters of `SpecStats` only grow. Walkthrough chapter 01 §4.
+KV, or when its prompt is computed and its first token is in flight (`is_decoding`);
+`text == decode(output_ids[:detok_read])` up to a stop string; a finished request holds no block
+tables and no slot; the counters of `SpecStats` only grow. Walkthrough chapter 01 §4.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
 
 from .paged_kv import BlockTable
 from .sampling import SamplingParams
@@ -59,7 +63,8 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int                             # the noise key of its sampling (its own, or drawn at add_request)
+    limit_len: int                        # prompt + max_tokens, capped by max_model_len
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     tables: dict[str, BlockTable] = field(default_factory=dict)
@@ -75,6 +80,13 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # when the first output token was committed (TTFT)
     finish_time: float | None = None
+    error: str | None = None              # why the engine aborted it (finish_reason "error")
+    slot: int = -1                        # device-state row while admitted (device_state.py)
+    generation: int = 0                   # bumps each time the slot is given out (the relay's guard)
+    synced: dict[str, int] = field(default_factory=dict)  # block-table entries mirrored on the device
+    device_anchor: bool = False           # the device state holds its anchor (a sampling step ran there)
+    inflight: int = 0                     # launched steps that will bring it tokens
+    decode_inflight: int = 0              # ... of which decode steps (they move num_computed)
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,7 +110,7 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_computed == self.num_tokens - 1
+        return self.num_computed == self.num_tokens - 1 or (self.inflight > 0 and self.num_computed == self.num_tokens)
 
 
 @dataclass

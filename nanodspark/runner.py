@@ -1,95 +1,91 @@
-"""Builds the inputs of one forward over a packed ragged batch and runs it.
+"""The prefill forward: host-known chunks of prompt (and recomputed) tokens, run eagerly.
 
-A step hands the runner a list of `Chunk`s, one per request: the token ids it feeds this step
-and the position of the first one. A prefill chunk, a single decode token and a verify window
-(`[anchor, draft_1 .. draft_w]`) are all just chunks; only `logit_rows` differs (the last row, or
-every row). The runner turns chunks into flat tensors (`input_ids`, `positions`,
-`cu_seqlens_q`) and, per KV group, block tables, slot mappings and KV lengths, then calls the
-model with a `PagedAttentionContext`. Nothing here mutates a request: the caller applies the
-returned `ForwardResult`.
+A step hands the runner a list of `Chunk`s, one per request that still has tokens without KV:
+the token ids it feeds this step and the position of the first one. The runner packs them into
+one ragged batch (`input_ids`, `positions`, `cu_seqlens_q`), addresses the paged cache through
+the device block tables of the requests' slots (device_state.py), runs the model, injects the
+target features of every row into the drafter's context cache, and, for each chunk that reaches
+the end of its request's tokens, samples the next token on the device and makes it the
+request's anchor there (`last_token`, `seq_len`), so the next decode step can start without
+the host. Decode and verify rows never come here: they are built on the device
+(speculative.py, ragged_graphs.py).
 
-Invariants: the KV of positions `< chunk.start` is already in the cache (or, for SWA replay rows,
-in the full-attention group only); a chunk's blocks were reserved by the scheduler before the
-forward; rows below `chunk.replay_until` do not store into the prefix-cached `full` group.
+Invariants: the KV of positions `< chunk.start` is already in the cache (or, for SWA replay
+rows, in the full-attention group only); a chunk's slots were reserved by the scheduler before
+the forward (checked here: a row past the reservation would write into another request's
+block); rows below `chunk.replay_until` do not store into the prefix-cached `full` group, nor
+into the drafter's context (both already hold them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .model import CausalLM, GroupMeta, KVCache, PagedAttentionContext
-from .paged_kv import BlockTable
+from .device_state import DeviceState, h2d
+from .drafter import Drafter, row_slots
+from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
+from .sampling import STREAM_TARGET, sample_from_probs, probs_from_logits
 
 
 @dataclass
 class Chunk:
-    tables: dict[str, BlockTable]      # the request's block table per KV group
+    slot: int                          # the request's device-state slot
     start: int                         # position of token_ids[0]
     token_ids: list[int]
-    logit_rows: str = "last"           # "last" | "all" | "none"
+    sample: bool = False               # the chunk ends the request's tokens: sample the next one
     replay_until: int = 0              # SWA replay: rows before this position skip the full group
-    kv_start: int = 0                  # sliding layers read no position below this
-
-
-@dataclass
-class ForwardResult:
-    logits: torch.Tensor               # [N, V] fp32, rows in chunk order as asked by logit_rows
-    logit_offsets: list[int]           # chunk i owns logits[logit_offsets[i]:logit_offsets[i+1]]
-    captured: list[torch.Tensor] = field(default_factory=list)  # [T, H] per captured layer
-    cu_seqlens: list[int] = field(default_factory=list)         # row offsets of the chunks
+    reserved: int | None = None        # slots reserved in the request's tables (checked)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: str, device: torch.device):
-        self.model, self.kv_cache, self.backend, self.device = model, kv_cache, backend, device
-        self.block_size = kv_cache.block_size
-
-    def _slots(self, table: BlockTable, positions: range, skip_below: int) -> list[int]:
-        bs = self.block_size
-        # Writing past the reservation would land in a block another request may own.
-        assert not positions or positions[-1] < table.num_tokens, (
-            f"positions up to {positions[-1]} on a table reserved for {table.num_tokens}")
-        return [-1 if p < skip_below or table.blocks[p // bs] < 0
-                else table.blocks[p // bs] * bs + p % bs for p in positions]
-
-    def build_context(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionContext, list[int]]:
-        ids, pos, cu = [], [], [0]
-        for c in chunks:
-            ids += c.token_ids
-            pos += range(c.start, c.start + len(c.token_ids))
-            cu.append(cu[-1] + len(c.token_ids))
-        groups = {}
-        for g in self.kv_cache.layout:
-            tables = [c.tables[g] for c in chunks]
-            width = max(1, max(len(t.blocks) for t in tables))
-            # one tensor from padded lists: a torch op per request costs ~10 us of host time each
-            bt = torch.tensor([t.blocks + [-1] * (width - len(t.blocks)) for t in tables], dtype=torch.int32)
-            slots = []
-            for c, t in zip(chunks, tables):
-                skip = c.replay_until if g == "full" else 0
-                slots += self._slots(t, range(c.start, c.start + len(c.token_ids)), skip)
-            groups[g] = GroupMeta(
-                block_tables=bt.to(self.device),
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                kv_lens=torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.int32, device=self.device),
-                kv_start=(torch.tensor([c.kv_start for c in chunks], dtype=torch.int32, device=self.device)
-                          if g == "sliding" else None))
-        ctx = PagedAttentionContext(self.kv_cache, torch.tensor(cu, dtype=torch.int32, device=self.device),
-                                    max(len(c.token_ids) for c in chunks), groups, self.backend)
-        return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.tensor(pos, dtype=torch.long, device=self.device), ctx, cu)
+    def __init__(self, model: CausalLM, kv_cache: KVCache, state: DeviceState, ops: Ops, block_size: int,
+                 drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None):
+        self.model, self.kv_cache, self.state, self.ops = model, kv_cache, state, ops
+        self.block_size, self.drafter, self.draft_cache = block_size, drafter, draft_cache
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], capture_layers: tuple[int, ...] = ()) -> ForwardResult:
-        ids, pos, ctx, cu = self.build_context(chunks)
-        out = self.model(ids, pos, ctx, capture_layers)
-        rows, offsets = [], [0]
+    def prefill(self, chunks: list[Chunk], truncates: bool = False) -> torch.Tensor:
+        """Run the chunks; returns the tokens sampled for the chunks with `sample` (device, in order)."""
+        ids, pos, row_req, skip, cu = [], [], [], [], [0]
         for i, c in enumerate(chunks):
-            if c.logit_rows == "all":
-                rows += range(cu[i], cu[i + 1])
-            elif c.logit_rows == "last":
-                rows.append(cu[i + 1] - 1)
-            offsets.append(len(rows))
-        logits = self.model.compute_logits(out.hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
-        return ForwardResult(logits, offsets, out.captured, cu)
+            n = len(c.token_ids)
+            # Writing past the reservation would land in a block another request may own.
+            assert c.reserved is None or c.start + n <= c.reserved, (
+                f"positions up to {c.start + n - 1} on a table reserved for {c.reserved}")
+            ids += c.token_ids
+            pos += range(c.start, c.start + n)
+            row_req += [i] * n
+            skip += [p < c.replay_until for p in range(c.start, c.start + n)]
+            cu.append(cu[-1] + n)
+        dev, st = self.state.device, self.state
+        ids_d, pos_d, req_d = h2d(ids, torch.long, dev), h2d(pos, torch.long, dev), h2d(row_req, torch.long, dev)
+        skip_d = h2d(skip, torch.bool, dev)
+        slots_d = h2d([c.slot for c in chunks], torch.long, dev)
+        kv_lens = h2d([c.start + len(c.token_ids) for c in chunks], torch.int32, dev)
+        groups = {}
+        for name in self.kv_cache.layout:
+            bt = st.tables[name][slots_d]
+            slot = row_slots(bt, req_d, pos_d, self.block_size)
+            if name == "full":
+                slot = torch.where(skip_d, -1, slot)
+            groups[name] = GroupMeta(bt, slot, kv_lens, st.kv_start[slots_d] if name == "sliding" else None)
+        ctx = PagedAttentionContext(self.kv_cache, h2d(cu, torch.int32, dev), max(len(c.token_ids) for c in chunks),
+                                    groups, self.ops)
+        out = self.model(ids_d, pos_d, ctx, self.capture)
+        if self.drafter is not None:
+            slot = row_slots(st.tables["draft"][slots_d], req_d, pos_d, self.block_size)
+            self.drafter.inject(out.captured, pos_d, torch.where(skip_d, -1, slot), self.draft_cache, self.ops)
+        last = [cu[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+        if not last:
+            return torch.zeros(0, dtype=torch.long, device=dev)
+        rows = h2d(last, torch.long, dev)
+        ss = h2d([c.slot for c in chunks if c.sample], torch.long, dev)
+        samp = st.sampling(ss, truncates)
+        nxt_pos = pos_d[rows] + 1
+        tok = sample_from_probs(probs_from_logits(self.model.compute_logits(out.hidden[rows]), samp), samp,
+                                nxt_pos, STREAM_TARGET)
+        st.last_token[ss] = tok
+        st.seq_len[ss] = nxt_pos
+        return tok

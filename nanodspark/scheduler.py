@@ -11,7 +11,12 @@ prompt and its output so far. Admission takes a prefix-cache hit in the full-att
 plans the SWA replay after it (`swa_replay.plan_replay`).
 
 Block bookkeeping over all KV groups is atomic: `_allocate` and `_grow` either succeed in every
-group or undo what they did and raise `NoFreeBlocks`.
+group or undo what they did and raise `NoFreeBlocks`. An admitted request also gets a slot of
+the device state (`SlotPool`), given back when it is freed or preempted.
+
+A request with a step in flight (overlap_loop.py) reserves KV for that step *and* the next:
+the host does not know yet how far the one in flight will go. It cannot be preempted until
+that step is read: `schedule` raises `Drain` and the loop reads it first.
 
 Invariants: a plan's rows sum to at most the token budget; every row planned has a reserved
 slot in every group (a decoding request reserves its whole verify window, also when it is
@@ -30,6 +35,28 @@ from .request import Request, Status
 from .swa_replay import plan_replay
 
 
+class Drain(Exception):
+    """Scheduling must preempt a request whose step is still in flight: read it first."""
+
+
+class SlotPool:
+    """Rows of the device state, one per admitted request; a generation id per hand-out."""
+
+    def __init__(self, n: int):
+        self.free = list(range(n))[::-1]
+        self.generation = [0] * n
+
+    def take(self, req: Request) -> None:
+        s = self.free.pop()
+        self.generation[s] += 1
+        req.slot, req.generation, req.synced, req.device_anchor = s, self.generation[s], {}, False
+
+    def give(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.free.append(req.slot)
+        req.slot, req.synced = -1, {}
+
+
 class Scheduler:
     """Admission, chunked prefill, preemption. Owns the queues and the block managers."""
 
@@ -38,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.n_sliding = model_cfg.layer_types.count("sliding_attention")
+        self.slots = SlotPool(cfg.max_num_seqs)
 
     # -- block bookkeeping, over all KV groups ----------------------------------------------
     def _allocate(self, req: Request) -> None:
@@ -74,8 +102,11 @@ class Scheduler:
         for g, t in req.tables.items():
             self.managers[g].free(t)
         req.tables = {}
+        self.slots.give(req)
 
     def preempt(self, req: Request) -> None:
+        if req.inflight:
+            raise Drain(req.request_id)
         self.free(req)
         self.running.remove(req)
         req.status, req.num_computed = Status.WAITING, 0
@@ -87,6 +118,15 @@ class Scheduler:
         """Rows a request computes this step: a whole verify window when it is decoding (only its
         last token lacks KV), else the next prefill chunk that fits the token budget."""
         return decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+
+    @staticmethod
+    def reservation(req: Request, rows: int) -> int:
+        """Slots a request must hold to compute `rows` more: a prefill chunk's end; for a decode
+        step, a window beyond each decode step still in flight, but never past the last position
+        its limit lets it write (the device clamps windows to the limit)."""
+        if not req.is_decoding:
+            return req.num_computed + rows
+        return min(req.num_computed + rows * (1 + req.decode_inflight), req.limit_len - 1)
 
     def schedule(self, decode_rows: int = 1) -> list[tuple[Request, int]]:
         """(request, rows) pairs for this step. A decoding request reserves `decode_rows` slots
@@ -101,7 +141,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    self._grow(req, req.num_computed + rows)
+                    self._grow(req, self.reservation(req, rows))
                     break
                 except NoFreeBlocks:
                     victim = self.running[-1]
@@ -118,13 +158,14 @@ class Scheduler:
                 self._allocate(req)
             except NoFreeBlocks:
                 break
+            self.slots.take(req)
             # A prefix hit can leave only the last token to compute: then the request decodes in
             # this very step and needs slots for a whole verify window, not only for its tokens.
             rows = self._rows(req, decode_rows, budget)
             fits = rows <= budget
             if fits:
                 try:
-                    self._grow(req, req.num_computed + rows)
+                    self._grow(req, self.reservation(req, rows))
                 except NoFreeBlocks:
                     fits = False
             if not fits:              # stays first in the queue, as if never allocated

@@ -20,23 +20,60 @@ Verify modes, given a per-request window `w <= gamma`:
 `cap-accept` verifies the whole block (the cost of static) but commits at most what compact
 would, and reports the untrimmed acceptance as the `ceiling`.
 
-Trimming hides how much a full-block verify would have accepted. `BlockAcceptEstimator`
-estimates that ceiling from compact steps, settling each trimmed remainder later against the
-tokens the target actually committed there (exact under greedy decoding), with an interval;
-utilisation = delivered / ceiling (paper's production notes; SGLang's block-accept estimator).
+The engine verifies a whole batch at once on the device (`verify_batch`, with keyed noise,
+sampling.py); `verify_greedy` / `verify_block` / `accept_sampling` are the same rules for one
+request on host values, the textbook form the tests check against. What a full-block verify
+would have accepted under trimming is estimated by observers.py (`BlockAcceptEstimator`).
 """
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from enum import Enum
 
-import numpy as np
 import torch
 
-DEFAULT_WILSON_Z = 1.96          # z of the Wilson intervals of the ceiling estimator (~95 %)
-DEFAULT_CEILING_RECORDS = 4096   # sliding window of the ceiling estimator, in records
+from .sampling import (GREEDY_BELOW, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, SamplingTensors,
+                       gumbel_argmax, probs_from_logits, uniforms)
+
+
+class VerifyMode(Enum):
+    """How a window `w` (0..gamma, from the cost scheduler) turns into verify rows and commits.
+
+    STATIC verifies and may commit the whole block; COMPACT verifies `w` drafts; CAP_ACCEPT
+    verifies the whole block (the cost of static) but commits at most `w` drafts and reports
+    the untrimmed acceptance as the ceiling. The one place these rules are written."""
+    STATIC = "static"
+    COMPACT = "compact"
+    CAP_ACCEPT = "cap-accept"
+
+    @classmethod
+    def parse(cls, name: "str | VerifyMode") -> "VerifyMode":
+        if isinstance(name, VerifyMode):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"verify_mode must be one of {[m.value for m in cls]}, not {name!r}") from None
+
+    def verified(self, window, gamma):
+        """Drafts the target verifies (works on ints and tensors)."""
+        return window if self is VerifyMode.COMPACT else gamma
+
+    def cap(self, window, gamma):
+        """Most drafts that may be committed."""
+        return gamma if self is VerifyMode.STATIC else window
+
+    def reported_window(self, window, verified):
+        """The window a step counts as verified: the chosen one when trimming, else what was scored."""
+        return min(window, verified) if self.trims else verified
+
+    @property
+    def trims(self) -> bool:
+        return self is not VerifyMode.STATIC
+
+    @property
+    def reports_ceiling(self) -> bool:
+        return self is VerifyMode.CAP_ACCEPT
 
 
 @dataclass
@@ -108,117 +145,66 @@ def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: 
     return VerifyResult(d[:m].tolist() + [nxt], m, m_full if mode == "cap-accept" else None)
 
 
-# ----------------------------------------------------------------------------- the ceiling
-def wilson_interval(successes: int, n: int, z: float = DEFAULT_WILSON_Z) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion; (0, 1) when n == 0."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
+# ----------------------------------------------------------------------------- a batch, on the device
 @dataclass
-class CeilingEstimate:
-    """Full-block acceptance ceiling and how much of it trimming delivered.
-
-    Units are committed tokens per step (accepted drafts + 1 bonus).
-    ceiling: 1 + sum_k S_k, S_k = prod_{i<=k} p_i (Kaplan-Meier style); nan if some position
-        has never been observed. [lo, hi]: the same sum with each p_i at its Wilson bound.
-    delivered: mean committed tokens per step actually obtained.
-    utilisation: delivered / ceiling (share of the full-block acceptance kept by trimming).
-    window_ratio: (mean window + 1) / ceiling (verify rows spent per token the ceiling offers).
-    """
-    ceiling: float
-    lo: float
-    hi: float
-    conditional: list[float]
-    at_risk: list[int]
-    records: int
-    delivered: float
-    mean_window: float
-    utilisation: float
-    window_ratio: float
+class BatchVerdict:
+    """What verification decided for R requests (device tensors, no host sync to make them)."""
+    tokens: torch.Tensor       # int64 [R, gamma + 1]: accepted drafts, then the correction / bonus
+    accepted: torch.Tensor     # int64 [R]: drafts accepted (tokens[r, :accepted[r] + 1] are committed)
+    ceiling: torch.Tensor      # int64 [R]: drafts a full-block verify accepted (the leading run)
 
 
-class BlockAcceptEstimator:
-    """Estimates the acceptance a full-block verify would have had, from trimmed steps.
+def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                 row_index: torch.Tensor, st: SamplingTensors | None, anchor_pos: torch.Tensor,
+                 verified: torch.Tensor, cap: torch.Tensor, greedy_only: bool) -> BatchVerdict:
+    """Accept a prefix of each request's drafts, all requests at once.
 
-    Each record is one request-step: the window verified, the drafts accepted, and optionally
-    `remainder`, the counterfactual verdicts for the trimmed positions window+1.. (obtained later
-    by comparing those drafts with what the target produced there, e.g. argmax agreement or a
-    rejection test on the target's logprobs). A position is *observed* when every earlier draft
-    was accepted and its own verdict is known; positions after a rejection are not at risk, and
-    positions after the last known verdict of a fully accepted window are censored.
-    Per position k: p_k = accepted_k / at_risk_k; the ceiling is the expected committed length
-    1 + sum_k prod_{i<=k} p_i. Honest caveats: censoring by the scheduler is informative (it
-    trims where confidence is low), so without remainders p_k at deep positions is biased up;
-    the [lo, hi] band multiplies per-position Wilson bounds, which is a plug-in band, not a joint
-    confidence interval. Memory: a sliding window of `max_records` records.
-    """
+    drafts [R, g]; draft_probs [R, g, V] (the Markov-corrected draft distributions; None when
+    every request is greedy); logits [T, V] of the packed verify rows and row_index [R, g + 1]:
+    logits[row_index[r, k]] is the target after request r's anchor and drafts 1..k (entries
+    past `verified` are ignored); anchor_pos [R]; verified [R] drafts the target scored; cap [R]
+    most drafts that may be committed (<= verified); st the requests' sampling (None if greedy_only).
 
-    def __init__(self, gamma: int, max_records: int = DEFAULT_CEILING_RECORDS,
-                 z: float = DEFAULT_WILSON_Z):
-        self.gamma, self.z = gamma, z
-        self._records: deque = deque()
-        self.max_records = max_records
-        self.at_risk = [0] * gamma
-        self.accepted = [0] * gamma
-        self._sum_delivered = 0
-        self._sum_window = 0
-
-    def _chain(self, window: int, accepted: int, remainder) -> list[bool]:
-        """Observed verdicts for positions 1.. (stops after the first rejection or unknown)."""
-        if not 0 <= accepted <= window <= self.gamma:
-            raise ValueError(f"need 0 <= accepted <= window <= gamma, got {accepted}, {window}, {self.gamma}")
-        chain = [True] * accepted
-        if accepted < window:
-            return chain + [False]
-        for verdict in list(remainder or [])[: self.gamma - window]:
-            chain.append(bool(verdict))
-            if not verdict:
-                break
-        return chain
-
-    def _apply(self, chain: list[bool], window: int, accepted: int, sign: int) -> None:
-        for k, ok in enumerate(chain):
-            self.at_risk[k] += sign
-            self.accepted[k] += sign * int(ok)
-        self._sum_delivered += sign * (accepted + 1)
-        self._sum_window += sign * window
-
-    def record(self, window: int, accepted: int, remainder: Sequence[bool] | None = None) -> None:
-        """Add one request-step; the oldest record is dropped beyond `max_records`."""
-        chain = self._chain(window, accepted, remainder)
-        self._records.append((chain, window, accepted))
-        self._apply(chain, window, accepted, +1)
-        if len(self._records) > self.max_records:
-            self._apply(*self._records.popleft(), sign=-1)
-
-    def estimate(self) -> CeilingEstimate:
-        n = len(self._records)
-        # A position nobody reached because the survival before it is already 0 contributes 0;
-        # one that is unknown for lack of data (censored) stays nan.
-        p, surv = [], 1.0
-        for a, r in zip(self.accepted, self.at_risk):
-            p.append(a / r if r else (0.0 if surv == 0 else float("nan")))
-            surv *= p[-1]
-        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted, self.at_risk)]
-
-        def expected_length(probs) -> float:
-            return 1.0 + float(np.sum(np.cumprod(probs))) if len(probs) else 1.0
-
-        ceiling = expected_length(p)
-        delivered = self._sum_delivered / n if n else float("nan")
-        mean_window = self._sum_window / n if n else float("nan")
-        return CeilingEstimate(
-            ceiling=ceiling,
-            lo=expected_length([b[0] for b in bounds]),
-            hi=expected_length([b[1] for b in bounds]),
-            conditional=p, at_risk=list(self.at_risk), records=n,
-            delivered=delivered, mean_window=mean_window,
-            utilisation=delivered / ceiling if n else float("nan"),
-            window_ratio=(mean_window + 1.0) / ceiling if n else float("nan"),
-        )
+    Greedy rows accept draft k while it equals the target's argmax. Sampled rows accept draft k
+    with probability min(1, P/Q), testing u < P(d)/Q(d) with a keyed uniform (stream ACCEPT at
+    the draft's position); the first rejection inside the cap resamples from norm(max(0, P - Q))
+    (stream RESIDUAL), and otherwise the next token is the target's own sample at the cap
+    (stream TARGET, exactly what target-only decoding would draw from P there)."""
+    R, g = drafts.shape
+    dev = drafts.device
+    k = torch.arange(g, device=dev)
+    pos = anchor_pos[:, None] + 1 + torch.arange(g + 1, device=dev)       # position of each committed slot
+    in_window = k[None, :] < verified[:, None]
+    target_argmax = logits.argmax(-1)[row_index]                           # [R, g + 1]
+    ok = (drafts == target_argmax[:, :g]) & in_window
+    probs = None
+    if not greedy_only:
+        rows = st.rows(torch.arange(R, device=dev).repeat_interleave(g + 1))
+        probs = probs_from_logits(logits[row_index.reshape(-1)], rows).view(R, g + 1, -1)
+    if probs is not None and g > 0:
+        pd = probs[:, :g].gather(2, drafts[:, :, None])[..., 0]
+        qd = draft_probs.gather(2, drafts[:, :, None])[..., 0]
+        u = uniforms(st.seed[:, None].expand(R, g).reshape(-1), pos[:, :g].reshape(-1), STREAM_ACCEPT).view(R, g)
+        sampled_ok = (u * qd < pd) & in_window                             # u < p/q without dividing
+        ok = torch.where((st.temperature < GREEDY_BELOW)[:, None], ok, sampled_ok)
+    m_full = ok.long().cumprod(1).sum(1)                                   # leading run of acceptances
+    m = torch.minimum(m_full, cap)
+    at_m = m[:, None]
+    nxt = target_argmax.gather(1, at_m)[:, 0]
+    if probs is not None:
+        p_m = probs.gather(1, at_m[:, :, None].expand(R, 1, probs.shape[-1]))[:, 0]
+        p_next = pos.gather(1, at_m)[:, 0]
+        drawn = gumbel_argmax(torch.log(p_m), st.seed, p_next, STREAM_TARGET)
+        if g > 0:
+            q_m = draft_probs.gather(1, at_m.clamp(max=g - 1)[:, :, None].expand(R, 1, probs.shape[-1]))[:, 0]
+            residual = (p_m - q_m).clamp_min(0)
+            rejected = m_full < cap                                       # rejection inside the cap
+            dist = torch.where((rejected & (residual.sum(-1) > 0))[:, None], residual, p_m)
+            res_tok = gumbel_argmax(torch.log(dist), st.seed, p_next, STREAM_RESIDUAL)
+            drawn = torch.where(rejected, res_tok, drawn)
+        nxt = torch.where(st.temperature < GREEDY_BELOW, nxt, drawn)
+    tokens = torch.zeros(R, g + 1, dtype=torch.long, device=dev)
+    tokens[:, :g] = drafts
+    tokens.scatter_(1, at_m, nxt[:, None])
+    tokens = torch.where(torch.arange(g + 1, device=dev)[None, :] <= at_m, tokens, 0)
+    return BatchVerdict(tokens, m, m_full)

@@ -21,7 +21,7 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     make_drafter(model, model / "drafter")
     table = tmp_path / "cost.json"
     bp.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
-                                     out=str(table), scope="forward"))
+                                     out=str(table)))
     saved = next(iter(json.loads(table.read_text()).values()))
     assert saved["model_name"] == str(model) and saved["notes"]["context"] == 16 and len(saved["raw"]) == len(saved["measurements"])
     out = tmp_path / "dspark.json"
@@ -45,7 +45,7 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert all(r["step_ms_measured"] > 0 for r in spec_rows) and all("step_ms_measured" not in r for r in res["sweep"] if r["mode"] == "no-spec")
     # host time per phase: every speculative phase is timed, and the phases tile the engine step
     assert all(set(r["phase_ms"]) == set(be.PHASES) for r in spec_rows)
-    assert all({"schedule", "forward", "apply"} <= set(r["phase_ms"]) for r in res["sweep"] if r["mode"] == "no-spec")
+    assert all(set(r["phase_ms"]) == set(be.PHASES) for r in res["sweep"] if r["mode"] == "no-spec")
     # (wall_s is rounded to the millisecond, hence the slack)
     assert all(0 < sum(r["phase_ms"].values()) <= 1e3 * (r["wall_s"] + 1e-3) / r["engine_steps"] for r in res["sweep"])
     phases = be.phase_markdown(res)
@@ -106,14 +106,14 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
-    llm = LLM(str(model), use_tqdm=False, max_num_seqs=3, kv_cache_memory_gb=0.05)
-    spec, eng = llm.engine.spec, llm.engine
-    spec.mode = "compact"
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=3, kv_cache_memory_gb=0.05, verify_mode="compact")
+    eng = llm.engine
+    policy = eng.windows
     run = bp.whole_step_runner(llm, context_len=20)
     running = eng.scheduler.running
     for bs in (3, 1):
         run(bs, 0)                                   # a new batch size builds and prefills its batch
-        for k in (0, 2, bs * spec.gamma):
+        for k in (0, 2, bs * eng.gamma):
             before = sum(r.spec.verified for r in running)
             run(bs, k)
             assert len(running) == bs and all(r.is_decoding for r in running)
@@ -121,8 +121,9 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
         assert sum(r.spec.accepted for r in running) == 0      # no draft committed: acceptance held fixed
     run.close()
     # host time per phase of each batch size's steps (prefill excluded): what the table measured
-    assert set(run.phases) == {3, 1} and all({"draft", "forward", "verify"} <= set(p) for p in run.phases.values())
-    assert not eng.has_unfinished() and spec.window_fn is None and spec.accept_cap is None
+    assert set(run.phases) == {3, 1} and all({"schedule", "launch", "wait", "commit"} <= set(p)
+                                             for p in run.phases.values())
+    assert not eng.has_unfinished() and eng.windows is policy
     assert all(u["used"] == 0 for u in eng.kv_usage().values())
     # real prompts (cycled, cut to their last context_len tokens) instead of random tokens
     prompts = [list(range(3, 40)), [7, 8, 9]]
@@ -140,7 +141,7 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     run.prepare(3, 0)                                # 2 tokens, within the slack: nothing to do
     assert {r.request_id for r in running} == ids and max(len(r.output_ids) for r in running) == 2
     while max(len(r.output_ids) for r in running) <= 4:
-        run(3, 3 * spec.gamma)
+        run(3, 3 * eng.gamma)
     steps = eng.clock.steps
     run.prepare(3, 0)
     assert {r.request_id for r in running}.isdisjoint(ids) and all(len(r.output_ids) == 1 for r in running)
@@ -155,22 +156,23 @@ def test_whole_step_profile_holds_acceptance_fixed(tiny_dir, tmp_path):
     per request per step (the table prices verifying, not committing); `commit_drafts=True`
     (`--acceptance traffic`) commits them."""
     from nanodspark import LLM
-    from test_verify import OracleSpec
+    from test_verify import use_oracle
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
-    llm = LLM(str(model), use_tqdm=False, max_num_seqs=2, kv_cache_memory_gb=0.05)
-    spec, running = llm.engine.spec, llm.engine.scheduler.running
-    spec.mode, spec.__class__, spec.oracle = "compact", OracleSpec, llm.engine.model
-    for commit, want in ((False, 0), (True, 3 * 2 * spec.gamma)):
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=2, kv_cache_memory_gb=0.05, verify_mode="compact")
+    eng, running = llm.engine, llm.engine.scheduler.running
+    policy = eng.windows
+    use_oracle(eng)
+    for commit, want in ((False, 0), (True, 3 * 2 * eng.gamma)):
         run = bp.whole_step_runner(llm, context_len=20, prompts=[list(range(3, 40))], commit_drafts=commit)
         run.prepare(2, 0)
         for _ in range(3):
-            run(2, 2 * spec.gamma)
+            run(2, 2 * eng.gamma)
         assert sum(r.spec.accepted for r in running) == want
         assert all(len(r.output_ids) == 1 + 3 + want // 2 for r in running)   # prefill token + 3 steps
         run.close()
-    assert spec.accept_cap is None and not llm.engine.has_unfinished()
+    assert eng.windows is policy and not llm.engine.has_unfinished()
 
 
 def test_profile_k_grid_is_dense_and_ends_at_full_blocks():

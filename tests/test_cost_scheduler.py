@@ -14,7 +14,7 @@ from nanodspark.cost_scheduler import (
     ConfidenceRelay, CostScheduler, algorithm1, allocate_windows_topk, budget_from_lagged, descending_cells,
 )
 from nanodspark.cost_table import CostTable
-from nanodspark.verify import BlockAcceptEstimator, wilson_interval
+from nanodspark.observers import BlockAcceptEstimator, wilson_interval
 
 
 # ---------------------------------------------------------------------------------------------

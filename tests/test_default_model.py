@@ -44,6 +44,6 @@ def test_default_generates_text_deterministically_and_speculation_is_lossless():
     b = plain.generate([prompt], greedy)[0]
     assert a.token_ids == b.token_ids and a.text and isinstance(a.text, str)
     spec = LLM(use_tqdm=False)  # the shipped drafter is on by default
-    assert spec.engine.spec is not None
+    assert spec.engine.drafter is not None
     s = spec.generate([prompt], greedy)[0]
     assert s.token_ids == a.token_ids and s.spec["steps"] > 0

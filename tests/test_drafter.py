@@ -3,7 +3,8 @@ context, the Markov head's left-to-right conditioning, confidence/survival, chec
 import pytest
 import torch
 
-from nanodspark.drafter import BlockAttention, Drafter, training_attention
+from nanodspark.drafter import Drafter, training_attention
+from nanodspark.sampling import SamplingTensors
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext, rope_cos_sin
 
@@ -49,14 +50,11 @@ def test_paged_inference_equals_dense_training_path(target):
         want = dense_block_hidden(d, captured, ids, a)
         bs, nblocks = 4, 8
         cache = torch.zeros(d.config.num_layers, 2, nblocks, bs, d.config.num_key_value_heads, d.config.head_dim)
-        table = torch.tensor([6, 2, 7, 0, 3], dtype=torch.int32)      # scattered physical blocks
+        table = torch.tensor([6, 2, 7, 0, 3, 5], dtype=torch.int32)   # scattered physical blocks
         pos = torch.arange(a)
         slots = table[pos // bs].long() * bs + pos % bs
         d.inject([c[:a] for c in captured], pos, slots, cache)
-        g = torch.full((GAMMA,), d.config.mask_token_id)
-        g[0] = ids[a]
-        attend = BlockAttention(cache, table[None], torch.tensor([a]), bs, GAMMA)
-        got = d.backbone(g, a + torch.arange(GAMMA), attend)
+        got = d.block_hidden(ids[a:a + 1], torch.tensor([a]), cache, table[None], bs)[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
@@ -78,29 +76,32 @@ def test_context_is_strictly_before_the_anchor(target):
 
 
 def test_markov_head_conditions_each_slot_on_the_sampled_previous_token(target):
+    """Slot k's distribution is softmax(base_k + Markov bias of the token drawn at slot k-1): the
+    draft distribution is exact given the sampled prefix (what rejection sampling needs), for
+    greedy drafting (argmax) and sampled drafting alike."""
     d = make(target)
+    with torch.no_grad():
+        d.markov_w2.weight.normal_(0, 0.5)                 # a Markov bias strong enough to matter
     bs = 4
     cache = torch.randn(d.config.num_layers, 2, 4, bs, d.config.num_key_value_heads, d.config.head_dim)
     table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
-    seen = []
-
-    def sample_fn(logits, k):
-        seen.append(logits.clone())
-        tok = torch.tensor([7 + k])                        # a fixed, known "sampled" token per slot
-        return tok, torch.softmax(logits, -1)
+    anchor, pos = torch.tensor([11]), torch.tensor([9])
+    st = SamplingTensors(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([5]))
     with torch.no_grad():
-        draft = d.propose(torch.tensor([11]), torch.tensor([9]), cache, table, bs, sample_fn)
-        g = torch.full((GAMMA,), d.config.mask_token_id)
-        g[0] = 11
-        h = d.backbone(g, 9 + torch.arange(GAMMA), BlockAttention(cache, table, torch.tensor([9]), bs, GAMMA))
-        base = d.lm_head(h).float()
-    prev = [11, 7, 8, 9]
-    for k in range(GAMMA):
-        want = base[k] + d.markov_w2(d.markov_w1(torch.tensor(prev[k]))).float()
-        torch.testing.assert_close(seen[k][0], want, atol=1e-4, rtol=1e-4)
-    assert draft.tokens.tolist() == [[7, 8, 9, 10]]
-    assert torch.allclose(draft.survival, torch.cumprod(draft.confidence, -1))
-    assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
+        greedy = d.propose(anchor, pos, cache.clone(), table, bs, None)
+        sampled = d.propose(anchor, pos, cache.clone(), table, bs, st)
+        base = d.lm_head(d.block_hidden(anchor, pos, cache.clone(), table, bs)[0]).float()
+    for draft, probs in ((greedy, None), (sampled, sampled.probs)):
+        prev = [11] + draft.tokens[0, :-1].tolist()
+        for k in range(GAMMA):
+            want = base[k] + d.markov_w2(d.markov_w1(torch.tensor(prev[k]))).float()
+            if probs is None:
+                assert draft.tokens[0, k] == want.argmax()
+            else:
+                torch.testing.assert_close(probs[0, k], torch.softmax(want, -1), atol=1e-5, rtol=1e-4)
+    assert sampled.tokens.tolist() != greedy.tokens.tolist() or sampled.probs.max() > 0.99
+    assert torch.allclose(greedy.survival, torch.cumprod(greedy.confidence, -1))
+    assert ((greedy.confidence > 0) & (greedy.confidence < 1)).all()
 
 
 def test_sts_temperature_scales_the_confidence(target):
@@ -111,8 +112,7 @@ def test_sts_temperature_scales_the_confidence(target):
 
     def propose():
         with torch.no_grad():
-            return d.propose(torch.tensor([11]), torch.tensor([9]), cache, table, bs,
-                             lambda z, k: (z.argmax(-1), None))
+            return d.propose(torch.tensor([11]), torch.tensor([9]), cache, table, bs, None)
     raw = propose()
     torch.testing.assert_close(raw.confidence, torch.sigmoid(raw.conf_logits))   # identity until calibrated
     temps = torch.tensor([1.0, 2.0, 4.0, 0.5])

@@ -226,7 +226,7 @@ def test_incremental_detokenizer_equals_a_full_decode():
     cases = [tok.encode(text * 3)] + [[rng.randrange(13, 8192) for _ in range(60)] for _ in range(20)]
     for ids in cases:
         for stop in ([], ["\n\n"], ["x²"]):
-            req = Request("r", [1], SamplingParams(stop=stop), torch.Generator())
+            req = Request("r", [1], SamplingParams(stop=stop), 0, 10**6)
             pieces, i, hit = [], 0, False
             while i < len(ids) and not hit:
                 n = rng.randint(1, 6)
@@ -243,11 +243,11 @@ def test_incremental_detokenizer_equals_a_full_decode():
 
 def test_request_id_slices_match_all_ids():
     from nanodspark.request import Request
-    r = Request("r", [5, 6, 7], SamplingParams(), torch.Generator(), output_ids=[8, 9])
+    r = Request("r", [5, 6, 7], SamplingParams(), 0, 10**6, output_ids=[8, 9])
     for a in range(7):
         for b in range(a, 8):
             assert r.ids(a, b) == r.all_ids[a:b]
-    assert r.last_id == 9 and Request("q", [4], SamplingParams(), torch.Generator()).last_id == 4
+    assert r.last_id == 9 and Request("q", [4], SamplingParams(), 0, 10**6).last_id == 4
 
 
 def test_scheduler_knobs_live_in_engine_config():
@@ -267,7 +267,7 @@ def test_detokenizer_hold_is_bounded_for_invalid_utf8():
     from nanodspark.loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(None))
     lead = next(i for i in range(13, 8192) if tok.decode([i]) == "\ufffd")   # e.g. a lone lead byte
-    req = Request("r", [1], SamplingParams(), torch.Generator())
+    req = Request("r", [1], SamplingParams(), 0, 10**6)
     widest = 0
     for _ in range(3 * DETOKENIZE_MAX_HOLD):
         req.output_ids.append(lead)
@@ -276,15 +276,10 @@ def test_detokenizer_hold_is_bounded_for_invalid_utf8():
     assert req.detok_read > 0 and widest <= 2 * DETOKENIZE_MAX_HOLD + 2
 
 
-def test_runner_refuses_rows_past_a_tables_reservation():
+def test_runner_refuses_rows_past_a_tables_reservation(ref_llm):
     """A step that computes a row without a reserved slot would write K/V into a block another
-    request may own; the runner stops it with the positions in the message."""
-    import types
-    from nanodspark.paged_kv import BlockManager
-    from nanodspark.runner import ModelRunner
-    bm = BlockManager(num_blocks=4, block_size=4)
-    table = bm.allocate_prompt(list(range(6)))            # 6 tokens reserved: slots in 2 blocks
-    runner = types.SimpleNamespace(block_size=4)
-    assert ModelRunner._slots(runner, table, range(2, 6), 0) == bm.slot_mapping(table, 2, 6)
+    request may own; the runner stops it with the positions in the message, before any work."""
+    from nanodspark.runner import Chunk
+    runner = ref_llm.engine.runner
     with pytest.raises(AssertionError, match="positions up to 7 on a table reserved for 6"):
-        ModelRunner._slots(runner, table, range(5, 8), 0)   # still inside block 1, but not reserved
+        runner.prefill([Chunk(slot=0, start=5, token_ids=[1, 2, 3], reserved=6)])  # inside block 1, not reserved

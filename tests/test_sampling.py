@@ -46,26 +46,51 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     V = 50
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1))
     p_seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
-    shared = torch.Generator().manual_seed(99)
 
-    def run(rows):
+    def run(rows, seeds, positions):
         params = [p_seeded if r == 0 else SamplingParams(temperature=1.0) for r in rows]
-        gens = [torch.Generator().manual_seed(7) if r == 0 else shared for r in rows]
-        return sample_tokens(target_probs(logits[rows], params), params, gens)
+        return sample_tokens(target_probs(logits[rows], params), params, seeds, positions).tolist()
 
-    alone = [int(run([0])[0]) for _ in range(3)]
-    mixed = [int(run([3, 0, 5, 1])[1]) for _ in range(3)]
-    assert alone == mixed
+    alone = [run([0], [7], [p])[0] for p in range(40)]
+    mixed = [run([3, 0, 5, 1], [11, 7, 12, 13], [9, p, 2, 2])[1] for p in range(40)]
+    assert alone == mixed                        # same (seed, position): same token, whatever the batch
+    assert len(set(alone)) > 5                   # and the positions do draw different tokens
 
 
 def test_sample_tokens_follows_the_distribution_and_greedy_is_argmax():
-    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]])
-    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
-    gen = torch.Generator().manual_seed(3)
-    rows = torch.stack([sample_tokens(probs, params, [gen, gen]) for _ in range(4000)])
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0)] * 4000
+    seeds = [5] * len(params)
+    positions = [i // 2 for i in range(len(params))]   # one draw per position
+    rows = sample_tokens(probs, params, seeds, positions).view(4000, 2)
     assert (rows[:, 1] == 0).all()                       # greedy row: argmax every time
     freq = torch.bincount(rows[:, 0], minlength=3).float() / len(rows)
     assert torch.allclose(freq, probs[0], atol=0.03), freq
+
+
+def test_gumbel_max_samples_exactly_chi_square():
+    """Keyed Gumbel-max noise samples a 6-way distribution exactly (chi-square, 5 dof, 99.9 %)."""
+    from nanodspark.sampling import gumbel_argmax
+    p = torch.tensor([0.02, 0.08, 0.1, 0.2, 0.25, 0.35])
+    n = 60000
+    toks = gumbel_argmax(torch.log(p).repeat(n, 1), torch.full((n,), 3), torch.arange(n), 1)
+    counts = torch.bincount(toks, minlength=6).double()
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 20.5, chi2                            # the 99.9 % point of chi-square(5)
+    other = gumbel_argmax(torch.log(p).repeat(n, 1), torch.full((n,), 3), torch.arange(n), 2)
+    assert (other == toks).float().mean() < 0.5         # another stream is another draw
+
+
+def test_tiny_temperatures_are_greedy():
+    from nanodspark.sampling import GREEDY_BELOW
+    z = torch.tensor([[1.0, 3.0, 2.0]])
+    for t in (1e-38, 1e-12, GREEDY_BELOW / 2):
+        p = SamplingParams(temperature=t).validate()
+        assert p.greedy
+        got = target_probs(z, [p])
+        assert torch.equal(got, torch.tensor([[0.0, 1.0, 0.0]])), got
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    assert torch.isfinite(target_probs(z, [SamplingParams(temperature=GREEDY_BELOW)])).all()
 
 
 def test_rows_without_top_p_keep_their_whole_tail_when_batched_with_top_p_rows():

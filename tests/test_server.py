@@ -429,7 +429,7 @@ def test_speculative_server_matches_target_and_reports_dspark_counters(tiny_dir,
     from test_verify import make_drafter
     ddir = make_drafter(tiny_dir, tmp_path / "drafter", gamma=4)
     engine, _, srv = start_server(tiny_dir, drafter_path=str(ddir))
-    assert engine.spec is not None
+    assert engine.drafter is not None
     try:
         prompts = [make_prompt(500 + i) for i in range(8)]
         want = [o.text for o in offline.generate(prompts, greedy(10, ignore_eos=True))]

@@ -19,20 +19,20 @@ def test_plan_replay():
 
 
 def first_logits(llm, prompt):
-    """Logits of the first sampled position (captured from the runner)."""
+    """Logits of the first sampled position (captured from the model's logits head)."""
     eng = llm.engine
     seen = []
-    orig = eng.runner.forward
+    orig = eng.model.compute_logits
 
-    def spy(chunks, capture_layers=()):
-        res = orig(chunks, capture_layers)
-        seen.append(res.logits.clone())
+    def spy(hidden):
+        res = orig(hidden)
+        seen.append(res.clone())
         return res
-    eng.runner.forward = spy
+    eng.model.compute_logits = spy
     req = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     while eng.has_unfinished():
         eng.step()
-    eng.runner.forward = orig
+    del eng.model.compute_logits
     eng.release(req.request_id)
     return seen[-1][-1], req
 

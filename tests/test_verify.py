@@ -9,7 +9,7 @@ from nanodspark import LLM, SamplingParams
 from nanodspark.drafter import Draft
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext
-from nanodspark.speculative import SpecDecoder
+from nanodspark.cost_scheduler import ForcedWindows
 from nanodspark.verify import accept_sampling, verify_block
 
 from conftest import make_hf_model, random_drafter
@@ -22,15 +22,21 @@ def make_drafter(model_dir, out, gamma=4, seed=0, **kw):
     return out
 
 
-class OracleSpec(SpecDecoder):
-    """Drafts exactly what the target would say (greedy): every draft is accepted, so rollback,
-    windows and block boundaries are exercised at full speed."""
+def use_oracle(eng):
+    """Draft exactly what the target would say (greedy): every draft is accepted, so rollback,
+    windows and block boundaries are exercised at full speed (eager steps only)."""
+    def propose(slots, anchors, anchor_pos):
+        by_slot = {r.slot: r for r in eng.scheduler.running}
+        rows = [dense_greedy(eng.model, by_slot[s].all_ids, eng.gamma) if s in by_slot else [0] * eng.gamma
+                for s in slots.tolist()]
+        toks = torch.tensor(rows, device=anchors.device)
+        conf = torch.full(toks.shape, 0.9, device=anchors.device)
+        return Draft(toks, None, torch.zeros(toks.shape, device=anchors.device), conf)
+    eng.executor.spec.propose_override = propose
 
-    def draft(self, reqs):
-        model = self.oracle
-        toks = torch.tensor([dense_greedy(model, r.all_ids, self.gamma) for r in reqs])
-        conf = torch.full(toks.shape, 0.9)
-        return Draft(toks, None, torch.zeros(toks.shape), conf)
+
+def force_windows(eng, fn, accept_cap=None):
+    eng.windows = ForcedWindows(eng.gamma, fn, accept_cap)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +51,9 @@ def test_greedy_spec_equals_target_only(tiny_dir, drafter_dir, mode, oracle):
     spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode, block_size=4)
     eng = spec.engine
     if oracle:
-        eng.spec.__class__ = OracleSpec
-        eng.spec.oracle = eng.model
+        use_oracle(eng)
     rng = random.Random(mode)
-    eng.spec.window_fn = lambda reqs, draft: [rng.randint(0, eng.spec.gamma) for _ in reqs]
+    force_windows(eng, lambda reqs: [rng.randint(0, eng.gamma) for _ in reqs])
     vocab = eng.model_config.vocab_size
     for bs in (1, 5, 16):
         ps = prompts(bs, vocab, seed=bs, lo=3, hi=30)
@@ -73,16 +78,14 @@ def test_accept_cap_commits_one_token_per_step_and_stays_lossless(tiny_dir, mode
     spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(make_drafter(tiny_dir, tiny_dir.parent / f"d_cap_{mode}")),
                verify_mode=mode, block_size=4)
     eng = spec.engine
-    eng.spec.__class__ = OracleSpec
-    eng.spec.oracle = eng.model
-    eng.spec.window_fn = lambda reqs, draft: [eng.spec.gamma] * len(reqs)
-    eng.spec.accept_cap = 0
+    use_oracle(eng)
+    force_windows(eng, lambda reqs: [eng.gamma] * len(reqs), accept_cap=0)
     ps = prompts(5, eng.model_config.vocab_size, seed=3, lo=3, hi=30)
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     got = spec.generate(ps, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in base.generate(ps, params)]
     # 8 decode steps after the prefill token, each verifying its full block (up to max_tokens)
-    verified = sum(min(eng.spec.gamma, params.max_tokens - n - 1) for n in range(1, 9))
+    verified = sum(min(eng.gamma, params.max_tokens - n - 1) for n in range(1, 9))
     assert all(o.spec["accepted"] == 0 and o.spec["verified"] == verified and o.spec["steps"] == 8 for o in got)
     # profiling only: a sampled request is refused before the step changes anything
     req = eng.add_request(ps[0], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
@@ -135,11 +138,10 @@ def test_sampling_spec_follows_target_distribution(tmp_path, mode):
     llm = LLM(str(d), use_tqdm=False, drafter_path=str(ddir), max_num_seqs=512, seed=7, verify_mode=mode,
               cost_table=table)
     chosen = []
-    orig = llm.engine.spec.windows
-    llm.engine.spec.windows = lambda reqs, draft, conf: (lambda w: (chosen.extend(w[0]), w)[1])(orig(reqs, draft, conf))
+    llm.engine.extra_observers.append(WindowLog(chosen))
     outs = llm.generate([prompt] * N, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True))
     if mode != "static":
-        assert llm.engine.spec.scheduler.effective_mode() == mode
+        assert llm.engine.windows.scheduler.effective_mode() == mode
         trimmed = sum(w < 3 for w in chosen) / len(chosen)
         assert 0.05 < trimmed < 1.0, f"the scheduler should trim some windows and not all ({trimmed:.2f})"
     counts = {}
@@ -151,6 +153,16 @@ def test_sampling_spec_follows_target_distribution(tmp_path, mode):
     acc = sum(o.spec["accepted"] for o in outs) / max(1, sum(o.spec["verified"] for o in outs))
     assert 0.05 < acc < 0.95, acc  # rejections and residual samples really happened
     check_no_leak(llm)
+
+
+class WindowLog:
+    """An observer of step results: the windows the device chose."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def observe(self, result):
+        self.out.extend(c.verify.window for c in result.commits if c.verify is not None)
 
 
 def test_accept_sampling_matches_target_on_one_position():
@@ -188,18 +200,18 @@ def test_block_accept_ceiling_sees_through_trimming(tiny_dir, drafter_dir, mode)
     are trimmed, the estimated ceiling is gamma + 1 committed tokens per step, and what trimming
     delivered is (mean window + 1)."""
     llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode)
-    spec = llm.engine.spec
-    spec.__class__ = OracleSpec
-    spec.oracle = llm.engine.model
+    eng = llm.engine
+    use_oracle(eng)
     rng = random.Random(1)
-    spec.window_fn = lambda reqs, draft: [rng.randint(1, spec.gamma - 1) for _ in reqs]
+    force_windows(eng, lambda reqs: [rng.randint(1, eng.gamma - 1) for _ in reqs])
     ps = prompts(4, llm.engine.model_config.vocab_size, seed=3)
     llm.generate(ps, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    est = spec.ceiling.estimate()
-    assert est.records > 10 and not spec.pending
-    assert est.ceiling == pytest.approx(spec.gamma + 1, abs=0.35)   # the last blocks are cut by max_tokens
+    m = eng.metrics
+    est = m.ceiling.estimate()
+    assert est.records > 10 and not m.pending
+    assert est.ceiling == pytest.approx(eng.gamma + 1, abs=0.35)   # the last blocks are cut by max_tokens
     assert est.utilisation < 0.8 and est.delivered == pytest.approx(est.mean_window + 1)
-    assert spec.summary()["ceiling"]["utilisation"] == est.utilisation
+    assert m.summary()["ceiling"]["utilisation"] == est.utilisation
 
 
 def test_token_budget_must_hold_a_verify_window(tiny_dir, drafter_dir):

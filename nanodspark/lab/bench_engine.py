@@ -134,7 +134,7 @@ def add_engine_args(p) -> None:
 
 # ----------------------------------------------------------------------------- dspark economics
 def run_traffic(llm, prompts, workloads, params) -> dict:
-    spec = llm.engine.spec
+    spec = llm.engine.metrics
     if spec is not None:
         spec.step_times.clear()          # this run's (predicted, measured) step seconds only
     llm.engine.clock.reset()
@@ -276,7 +276,7 @@ def mixed_traffic(args, params) -> dict:
               "utilisation": round(s["committed"] / max(1, s["ceiling"]), 3), "requests": s["requests"]}
           for w, s in r["by_workload"].items()}
     return {"concurrency": args.mixed_concurrency, "by_workload": by,
-            "block_accept_estimator": llm.engine.spec.summary()["ceiling"]}
+            "block_accept_estimator": llm.engine.metrics.summary()["ceiling"]}
 
 
 def _non_negative(text: str) -> int:
@@ -395,7 +395,7 @@ def dspark_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-PHASES = ("schedule", "draft", "plan", "copy", "forward", "argmax", "verify", "inject", "observe", "apply")
+PHASES = ("schedule", "launch", "wait", "commit")   # the engine loop's phases (overlap_loop.py)
 
 
 def phase_markdown(result: dict) -> str:
@@ -419,8 +419,8 @@ def dspark_table(args) -> dict:
     print(dspark_markdown(result))
     phases = phase_markdown(result)
     if phases:
-        print("\nHost ms per engine step by phase (a phase ending in a device->host copy also holds the "
-              "GPU wait for the work queued before it):\n\n" + phases)
+        print("\nHost ms per engine step by phase ('wait' is the host waiting for the device; with the "
+              "overlapped loop the next step is already queued then):\n\n" + phases)
     return result
 
 

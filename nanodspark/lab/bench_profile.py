@@ -5,13 +5,13 @@ requests and K extra (draft) verify tokens, measured on this device; `cost_table
 table (isotonic forcing, lookup) and `profile_stats.py` its statistics (rounds, round-adjusted
 estimate, trend gate). This file supplies what is timed. Walkthrough: chapter 07 §4 and §9; figures: chapter 09 §5a.
 
-`--scope whole` (default, `whole_step_runner`) times whole `engine.step()` calls of bs decoding
-requests built from mixed workload prompts, with the windows forced to add up to K and no draft
-committed (so every K commits the same tokens: the table prices verifying, not committing),
-the batch rebuilt untimed whenever a request has grown `DEFAULT_CONTEXT_SLACK` tokens (a fixed
-context). `--scope forward` (`engine_step_runner`) times only the draft pass and the verify
-forward, which misses the K-independent host work of a step (acceptance, sampling, injection,
-bookkeeping).
+`whole_step_runner` times whole `engine.step()` calls of bs decoding requests built from mixed
+workload prompts, with the windows forced to add up to K (`cost_scheduler.ForcedWindows`, on an
+engine built in the compact verify mode, so a window below gamma is verified as given) and no
+draft committed (so every K commits the same tokens: the table prices verifying, not
+committing), the batch rebuilt untimed whenever a request has grown `DEFAULT_CONTEXT_SLACK`
+tokens (a fixed context). With the overlapped loop a timed step is the time between two steps'
+results, which is what the cost scheduler trades against.
 
 Invariants: a profile leaves the engine as it found it (no request, no KV block, no forced
 window, no accept cap); prefills and rebuilds are never timed; each K is what the target verifies.
@@ -23,48 +23,13 @@ import torch
 from .bench_engine import bench_prompts
 
 
-def engine_step_runner(llm, context_len: int):
-    """run_step(bs, K): one real speculative step shape of the loaded target + drafter: a draft
-    pass for bs requests and a target verify forward of bs + K rows, at `context_len` tokens of
-    context each (the KV content is whatever is in the cache; only the cost matters)."""
-    from ..paged_kv import BlockTable
-    from ..runner import Chunk
-    eng = llm.engine
-    mgrs = eng.scheduler.managers
-    spec = eng.spec
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def run_step(bs: int, k: int) -> None:
-        tables = []
-        for _ in range(bs):
-            t = {g: BlockTable() for g in mgrs}
-            for g, bm in mgrs.items():
-                bm.ensure_capacity(t[g], context_len + spec.gamma + 1)
-            tables.append(t)
-        try:
-            dev = eng.device
-            bt = torch.tensor([t["draft"].blocks for t in tables], dtype=torch.int32, device=dev)
-            spec.drafter.propose(torch.zeros(bs, dtype=torch.long, device=dev),
-                                 torch.full((bs,), context_len, device=dev), spec.cache, bt,
-                                 mgrs["draft"].block_size, lambda z, j: (z.argmax(-1), None))
-            rows = [1 + k // bs + (1 if r < k % bs else 0) for r in range(bs)]
-            chunks = [Chunk(t, context_len, [0] * n, "all") for t, n in zip(tables, rows)]
-            eng.runner.forward(chunks, capture_layers=spec.capture)
-            sync()
-        finally:
-            for t in tables:
-                for g, bm in mgrs.items():
-                    bm.free(t[g])
-    return run_step
-
-
 DEFAULT_CONTEXT_SLACK = 16   # tokens a profiled request may grow past its prompt before the batch is rebuilt
 
 
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
                       context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
-    K (`SpecDecoder.window_fn` forces them): draft, verify, acceptance, sampling, KV injection and
+    K (`ForcedWindows` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
     (prefilled untimed) when bs changes, from `prompts` (cycled; each cut to its last
     `context_len` tokens) or, without them, `context_len` random tokens. Every step commits
@@ -76,13 +41,18 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
 
     Real prompts make the steps look like traffic: requests have different lengths (random
     prompts all cross a KV block boundary on the same step) and the drafter sees real text.
-    Unless `commit_drafts`, no draft is committed (`SpecDecoder.accept_cap = 0`): every step
+    Unless `commit_drafts`, no draft is committed (accept cap 0): every step
     then commits one token per request at every K, so the table holds the cost of *verifying*
     K tokens and not the per-token work of committing more of them, which the scheduler must
     not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
     import random
+    from ..cost_scheduler import ForcedWindows
     from ..sampling import SamplingParams
-    eng, spec = llm.engine, llm.engine.spec
+    from ..verify import VerifyMode
+    eng = llm.engine
+    if eng.drafter is None or eng.verify_mode is not VerifyMode.COMPACT:
+        raise ValueError("the whole-step profile needs a drafter and an engine in the compact verify mode")
+    gamma, policy = eng.gamma, eng.windows
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
@@ -100,14 +70,17 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         """Abort the batch and prefill bs fresh requests (untimed, kept out of the phase clock)."""
         for rid in state["ids"]:
             eng.abort(rid)
-        eng.config.max_num_seqs = max(eng.config.max_num_seqs, bs)
+        if bs > eng.config.max_num_seqs:
+            raise ValueError(f"batch size {bs} > max_num_seqs {eng.config.max_num_seqs}")
         reqs = [eng.add_request(prompt(i), params, queue_limit=False) for i in range(bs)]
         state["ids"], state["reqs"] = [r.request_id for r in reqs], reqs
-        spec.window_fn = lambda reqs, draft: [spec.gamma] * len(reqs)
+        eng.windows = ForcedWindows(gamma, lambda rs: [gamma] * len(rs))
         sched = eng.scheduler
         with eng.clock.paused():
-            while any(not r.is_decoding for r in sched.running) or sched.waiting:
+            while any(not r.is_decoding for r in sched.running) or sched.waiting or eng.loop.pending:
                 eng.step()
+                if all(r.is_decoding for r in sched.running) and not sched.waiting:
+                    break
 
     def prepare(bs: int, k: int) -> None:
         if state["bs"] != bs:                # a new batch size: close the previous one's phases
@@ -123,9 +96,8 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     def run_step(bs: int, k: int) -> None:
         if state["bs"] != bs:
             prepare(bs, k)
-        spec.accept_cap = None if commit_drafts else 0
-        spec.window_fn = lambda reqs, draft: [k // len(reqs) + (1 if r < k % len(reqs) else 0)
-                                              for r in range(len(reqs))]
+        eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
+                                                      for r in range(len(rs))], None if commit_drafts else 0)
         eng.step()
         sync()
 
@@ -134,7 +106,9 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
-        spec.window_fn, spec.accept_cap = None, None
+        while eng.loop.pending:             # the step in flight, if any
+            eng.step()
+        eng.windows = policy
     run_step.close = close
     run_step.phases = phases
     run_step.prepare = prepare
@@ -157,21 +131,18 @@ def profile(args) -> dict:
     from .. import LLM
     from .profile_stats import DEFAULT_TREND_Z, profile_step_cost
     # prefix caching off, as in `bench dspark`: its block hashing is host time per step
+    # compact: a forced window below gamma is verified as given
     llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
-              enable_prefix_cache=False)
-    if llm.engine.spec is None:
+              enable_prefix_cache=False, verify_mode="compact")
+    if llm.engine.drafter is None:
         raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
-    g = llm.engine.spec.gamma
-    if args.scope == "whole":
-        llm.engine.spec.mode = "compact"        # windows below gamma are verified as given
-        prompts = None
-        if getattr(args, "prompts", "random") == "mix":
-            ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
-            prompts = [llm.tokenizer.encode(p.render()) for p in ps]
-        runner = whole_step_runner(llm, args.context, prompts,
-                                   commit_drafts=getattr(args, "acceptance", "none") == "traffic")
-    else:
-        runner = engine_step_runner(llm, args.context)
+    g = llm.engine.gamma
+    prompts = None
+    if getattr(args, "prompts", "random") == "mix":
+        ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
+        prompts = [llm.tokenizer.encode(p.render()) for p in ps]
+    runner = whole_step_runner(llm, args.context, prompts,
+                               commit_drafts=getattr(args, "acceptance", "none") == "traffic")
     try:
         table = profile_step_cost(runner, args.batch_sizes,
                                   lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
@@ -183,12 +154,13 @@ def profile(args) -> dict:
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
-    table.notes = {**table.notes, "context": args.context, "scope": args.scope, "repeats": args.repeats,
-                   "prefix_cache": False, "acceptance": getattr(args, "acceptance", "none") if args.scope == "whole" else None,
+    table.notes = {**table.notes, "context": args.context, "scope": "whole", "repeats": args.repeats,
+                   "cuda_graphs": bool(llm.engine.executor.graphs.use_graphs), "overlap": llm.engine.config.overlap,
+                   "prefix_cache": False, "acceptance": getattr(args, "acceptance", "none"),
                    "prompts": getattr(args, "prompts", "random"),
                    "monotone": getattr(args, "monotone", "isotonic"),
                    "estimator": getattr(args, "estimator", "rounds"),
-                   "context_slack": DEFAULT_CONTEXT_SLACK if args.scope == "whole" else 0,
+                   "context_slack": DEFAULT_CONTEXT_SLACK,
                    "rebuilds": getattr(runner, "state", {}).get("rebuilds", 0),
                    "phases_ms_by_bs": getattr(runner, "phases", {})}
     for b, ph in table.notes["phases_ms_by_bs"].items():
@@ -215,7 +187,7 @@ def add_profile_args(p) -> None:
                         "(1.645: one-sided 5 %%)")
     p.add_argument("--no-trend-gate", action="store_true", help="keep every batch size's slope, significant or not")
     p.add_argument("--acceptance", choices=("none", "traffic"), default="none",
-                   help="--scope whole: commit no draft while profiling, so every K commits one token per "
+                   help="commit no draft while profiling, so every K commits one token per "
                         "request (none), or commit what the target accepts (traffic; counts per-token work as "
                         "verify cost)")
     p.add_argument("--monotone", choices=("isotonic", "max"), default="isotonic",
@@ -223,8 +195,6 @@ def add_profile_args(p) -> None:
                         "(a stalled point becomes a small step) or running maximum (a cliff)")
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
-    p.add_argument("--scope", choices=("whole", "forward"), default="whole",
-                   help="time a whole engine step (default) or only the draft + verify forward")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--out", default="cost_table.json")

@@ -171,7 +171,7 @@ class EngineLoop:
 
     def _publish_state(self) -> None:
         s = self.engine.scheduler
-        spec = self.engine.spec.summary() if self.engine.spec is not None else None
+        spec = self.engine.metrics.summary() if self.engine.metrics is not None else None
         self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec)
 
     def _fail_all(self, err: APIError) -> None:

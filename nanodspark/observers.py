@@ -1,0 +1,246 @@
+"""Measurement of speculative decoding, as observers of step results (walkthrough chapter 07).
+
+The step (step.py, speculative.py) only decides; what it did is a `StepResult`, and everything
+that *measures* reads those results after the engine has applied them:
+
+* `SpecMetrics`: per-position acceptance, the online ECE of the calibrated survivals against
+  the prefix-acceptance labels the verifier produced, the block-accept ceiling (what a
+  full-block verify would have accepted, estimated through trimming) and predicted vs measured
+  step times — the DSpark numbers the server exports on /metrics;
+* `CalibrationRecorder`: the raw confidence logits with their labels, which `train_heads.py`
+  fits Sequential Temperature Scaling on.
+
+`BlockAcceptEstimator` (the ceiling) settles a trimmed compact step later: when a window was
+fully accepted, its remaining drafts are compared with the tokens the target actually committed
+at their positions (exact under greedy decoding), as SGLang's estimator does.
+
+Invariants: observers never change a request or the engine; a request's pending remainder is
+settled at the latest when it finishes (`release`).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .calibration import OnlineCalibrationMetrics, survival
+from .verify import VerifyMode
+
+DEFAULT_WILSON_Z = 1.96          # z of the Wilson intervals of the ceiling estimator (~95 %)
+DEFAULT_CEILING_RECORDS = 4096   # sliding window of the ceiling estimator, in records
+STEP_TIMES_KEPT = 256            # (predicted, measured) pairs kept for /metrics
+
+
+class SpecMetrics:
+    def __init__(self, gamma: int, mode: VerifyMode):
+        self.gamma, self.mode = gamma, mode
+        self.position_trials = [0] * gamma      # verified drafts at position k
+        self.position_accepts = [0] * gamma     # ... of which accepted
+        self.online = OnlineCalibrationMetrics(gamma)
+        self.ceiling = BlockAcceptEstimator(gamma)
+        self.pending: dict[str, tuple] = {}     # request id -> (first position, trimmed drafts, window, accepted)
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
+
+    def observe(self, result) -> None:
+        """After the engine applied `result`: count, calibrate and feed the ceiling."""
+        verify = [c for c in result.commits if c.verify is not None]
+        if not verify or not self.gamma:
+            return
+        conf, labels, valid = [], [], []
+        for c in verify:
+            r, v = c.request, c.verify
+            if r.request_id in self.pending:
+                self._settle(r)
+            window = self.mode.reported_window(v.window, v.verified)
+            for k in range(min(v.accepted + 1, window)):
+                self.position_trials[k] += 1
+                self.position_accepts[k] += int(k < v.accepted)
+            self._track_ceiling(r, v, window, c.advanced)
+            conf.append(v.conf)
+            labels.append([float(k < v.accepted) for k in range(self.gamma)])
+            valid.append([k < window for k in range(self.gamma)])
+        self.online.update(survival(torch.tensor(conf)), torch.tensor(labels), torch.tensor(valid))
+        self.step_times.append((result.predicted_step_time, result.seconds))
+        for c in verify:            # finished in this very step: nothing later will settle it
+            if c.request.finish_reason is not None:
+                self.release(c.request)
+
+    def _track_ceiling(self, r, v, window: int, advanced: int) -> None:
+        """cap-accept observes the ceiling directly; a trimmed compact step whose window was fully
+        accepted leaves its remaining drafts pending, to be judged against the tokens the target
+        commits at their positions."""
+        if v.ceiling is not None and self.mode.reports_ceiling:
+            over = v.ceiling - v.accepted
+            self.ceiling.record(window, v.accepted, [True] * over + [False] * (v.ceiling < v.verified)
+                                if over >= 0 and v.accepted == window else None)
+        elif self.mode is VerifyMode.COMPACT and v.accepted == window < self.gamma:
+            # the commit is applied: the first trimmed draft sits where the bonus token went
+            self.pending[r.request_id] = (r.num_computed, v.drafts[window:], window, v.accepted)
+        else:
+            self.ceiling.record(window, v.accepted)
+
+    def _settle(self, r, final: bool = False) -> None:
+        pos0, drafts, window, accepted = self.pending[r.request_id]
+        later, verdicts = r.ids(pos0, pos0 + len(drafts)), []     # the tokens committed since
+        for j, d in enumerate(drafts):
+            if j >= len(later):
+                break
+            verdicts.append(later[j] == d)
+            if not verdicts[-1]:
+                break
+        if final or len(verdicts) == len(drafts) or (verdicts and not verdicts[-1]):
+            del self.pending[r.request_id]
+            self.ceiling.record(window, accepted, verdicts)
+
+    def release(self, r) -> None:
+        if r.request_id in self.pending:
+            self._settle(r, final=True)
+
+    def summary(self) -> dict:
+        """Engine-level DSpark metrics (the server exports these on /metrics)."""
+        pred = [p for p, _ in self.step_times if p == p]
+        meas = [m for p, m in self.step_times if p == p]
+        est = self.ceiling.estimate()
+        return {
+            "ceiling": None if est.records == 0 or est.ceiling != est.ceiling else {
+                "tau": est.ceiling, "lo": est.lo, "hi": est.hi, "delivered": est.delivered,
+                "utilisation": est.utilisation},
+            "position_acceptance": [a / t if t else None for a, t in zip(self.position_accepts, self.position_trials)],
+            "online_ece": [None if e != e else float(e) for e in self.online.ece().tolist()],
+            "step_time_predicted_s": sum(pred) / len(pred) if pred else None,
+            "step_time_measured_s": (sum(meas) / len(meas) if meas else
+                                     (sum(m for _, m in self.step_times) / len(self.step_times) if self.step_times else None)),
+        }
+
+
+class CalibrationRecorder:
+    """(raw confidence logits [gamma], accepted, verified, request id) per verify step."""
+
+    def __init__(self):
+        self.records: list[tuple[torch.Tensor, int, int, str]] = []
+
+    def observe(self, result) -> None:
+        for c in result.commits:
+            if c.verify is not None:
+                self.records.append((torch.tensor(c.verify.conf_logits), c.verify.accepted, c.verify.verified,
+                                     c.request.request_id))
+
+
+# ----------------------------------------------------------------------------- the ceiling
+def wilson_interval(successes: int, n: int, z: float = DEFAULT_WILSON_Z) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion; (0, 1) when n == 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class CeilingEstimate:
+    """Full-block acceptance ceiling and how much of it trimming delivered.
+
+    Units are committed tokens per step (accepted drafts + 1 bonus).
+    ceiling: 1 + sum_k S_k, S_k = prod_{i<=k} p_i (Kaplan-Meier style); nan if some position
+        has never been observed. [lo, hi]: the same sum with each p_i at its Wilson bound.
+    delivered: mean committed tokens per step actually obtained.
+    utilisation: delivered / ceiling (share of the full-block acceptance kept by trimming).
+    window_ratio: (mean window + 1) / ceiling (verify rows spent per token the ceiling offers).
+    """
+    ceiling: float
+    lo: float
+    hi: float
+    conditional: list[float]
+    at_risk: list[int]
+    records: int
+    delivered: float
+    mean_window: float
+    utilisation: float
+    window_ratio: float
+
+
+class BlockAcceptEstimator:
+    """Estimates the acceptance a full-block verify would have had, from trimmed steps.
+
+    Each record is one request-step: the window verified, the drafts accepted, and optionally
+    `remainder`, the counterfactual verdicts for the trimmed positions window+1.. (obtained later
+    by comparing those drafts with what the target produced there, e.g. argmax agreement or a
+    rejection test on the target's logprobs). A position is *observed* when every earlier draft
+    was accepted and its own verdict is known; positions after a rejection are not at risk, and
+    positions after the last known verdict of a fully accepted window are censored.
+    Per position k: p_k = accepted_k / at_risk_k; the ceiling is the expected committed length
+    1 + sum_k prod_{i<=k} p_i. Honest caveats: censoring by the scheduler is informative (it
+    trims where confidence is low), so without remainders p_k at deep positions is biased up;
+    the [lo, hi] band multiplies per-position Wilson bounds, which is a plug-in band, not a joint
+    confidence interval. Memory: a sliding window of `max_records` records.
+    """
+
+    def __init__(self, gamma: int, max_records: int = DEFAULT_CEILING_RECORDS,
+                 z: float = DEFAULT_WILSON_Z):
+        self.gamma, self.z = gamma, z
+        self._records: deque = deque()
+        self.max_records = max_records
+        self.at_risk = [0] * gamma
+        self.accepted = [0] * gamma
+        self._sum_delivered = 0
+        self._sum_window = 0
+
+    def _chain(self, window: int, accepted: int, remainder) -> list[bool]:
+        """Observed verdicts for positions 1.. (stops after the first rejection or unknown)."""
+        if not 0 <= accepted <= window <= self.gamma:
+            raise ValueError(f"need 0 <= accepted <= window <= gamma, got {accepted}, {window}, {self.gamma}")
+        chain = [True] * accepted
+        if accepted < window:
+            return chain + [False]
+        for verdict in list(remainder or [])[: self.gamma - window]:
+            chain.append(bool(verdict))
+            if not verdict:
+                break
+        return chain
+
+    def _apply(self, chain: list[bool], window: int, accepted: int, sign: int) -> None:
+        for k, ok in enumerate(chain):
+            self.at_risk[k] += sign
+            self.accepted[k] += sign * int(ok)
+        self._sum_delivered += sign * (accepted + 1)
+        self._sum_window += sign * window
+
+    def record(self, window: int, accepted: int, remainder: Sequence[bool] | None = None) -> None:
+        """Add one request-step; the oldest record is dropped beyond `max_records`."""
+        chain = self._chain(window, accepted, remainder)
+        self._records.append((chain, window, accepted))
+        self._apply(chain, window, accepted, +1)
+        if len(self._records) > self.max_records:
+            self._apply(*self._records.popleft(), sign=-1)
+
+    def estimate(self) -> CeilingEstimate:
+        n = len(self._records)
+        # A position nobody reached because the survival before it is already 0 contributes 0;
+        # one that is unknown for lack of data (censored) stays nan.
+        p, surv = [], 1.0
+        for a, r in zip(self.accepted, self.at_risk):
+            p.append(a / r if r else (0.0 if surv == 0 else float("nan")))
+            surv *= p[-1]
+        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted, self.at_risk)]
+
+        def expected_length(probs) -> float:
+            return 1.0 + float(np.sum(np.cumprod(probs))) if len(probs) else 1.0
+
+        ceiling = expected_length(p)
+        delivered = self._sum_delivered / n if n else float("nan")
+        mean_window = self._sum_window / n if n else float("nan")
+        return CeilingEstimate(
+            ceiling=ceiling,
+            lo=expected_length([b[0] for b in bounds]),
+            hi=expected_length([b[1] for b in bounds]),
+            conditional=p, at_risk=list(self.at_risk), records=n,
+            delivered=delivered, mean_window=mean_window,
+            utilisation=delivered / ceiling if n else float("nan"),
+            window_ratio=(mean_window + 1.0) / ceiling if n else float("nan"),
+        )

@@ -1,0 +1,174 @@
+"""Ragged CUDA-graph verify: a decode step as one graph replay (walkthrough/10_ragged_graphs.md).
+
+Why graphs. A decode step of a small model launches hundreds of tiny kernels; launched one by
+one from Python, the host takes ~10x longer than the GPU work, and the step costs the same
+whatever its tokens. A CUDA graph records the launches of one step once and replays them with
+one call, so a step then costs what its kernels cost (DSpark §6.4; vLLM / SGLang graph runners).
+
+What a graph needs. Every tensor it reads must live at a fixed address with a fixed shape, and
+nothing inside may read a device value on the host. So:
+
+* **Tiers.** A graph is captured for a *tier* `(slots, tokens)`: `slots` request rows and
+  `tokens` packed verify rows. A step of R requests whose windows add up to N verify rows
+  (anchors included) replays the smallest captured tier with slots >= R and tokens >= N; the
+  extra request rows are padding (the scratch slot, no rows), the extra token rows belong to no
+  request and store nothing (`pack_rows`). Keying on *both* numbers is what keeps the metadata
+  geometry fixed (SGLang's crash when one token tier meant two slot layouts,
+  reference/components.md §5.2). Static and plain decoding need one token tier per slot count
+  (`slots * (1 + gamma)`); a trimming verify mode adds smaller token tiers
+  (`graph_token_fractions`), so a trimmed step replays a genuinely smaller graph.
+* **Static inputs.** One flat int64 buffer holds every input of every tier (slots, valid,
+  window caps, budget, trim flag, accept cap); a step writes it with one host-to-device copy.
+  Everything else a step reads is the device state (device_state.py), also at fixed addresses.
+* **Packing on the device.** The per-request verify lengths are chosen on the device (from the
+  drafts' confidences), so `cu_seqlens`, positions, slot mappings and logit rows are derived
+  there too (`pack_rows`); kernels read them from device memory, and host-side launch
+  parameters (grid sizes, split counts) depend on the tier's shapes only.
+* **One pool.** Tiers are captured largest first into one shared memory pool; they never run
+  at the same time, so their activations can share memory.
+
+A step that is not a pure decode step (it has prefill chunks), or that is larger than the
+largest tier, runs eagerly; on a CPU the same padded buffers are run eagerly ("eager replay"),
+which is how the CPU tests hold the padding logic equal to the unpadded step.
+
+Invariants: a replay's outputs equal an eager run of the same step on the same padded buffers
+bit for bit (same kernels, same shapes), and equal the unpadded eager step up to the summation
+order of GEMMs of another height; padding rows never write the KV cache or the device state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class Layout:
+    """The packed ragged layout of one verify batch (device tensors)."""
+    cu_seqlens: torch.Tensor   # int32 [R + 1]: request r owns rows cu[r]:cu[r+1]
+    row_req: torch.Tensor      # int64 [T]: the request of each row (padding rows: the last request)
+    row_off: torch.Tensor      # int64 [T]: the row's index inside its request's window (0 = anchor)
+    row_valid: torch.Tensor    # bool [T]: False for the padding rows past cu[R]
+
+
+def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
+    """Lay R requests' `rows` [R] (int64, sum <= tokens) out in `tokens` packed rows, on the
+    device with no host sync. Example: rows [2, 1, 4], tokens 8 -> cu [0, 2, 3, 7], row_req
+    [0, 0, 1, 2, 2, 2, 2, 2], row_off [0, 1, 0, 0, 1, 2, 3, 0], the last row padding."""
+    R = rows.shape[0]
+    cu = torch.zeros(R + 1, dtype=torch.long, device=rows.device)
+    cu[1:] = torch.cumsum(rows, 0)
+    t = torch.arange(tokens, device=rows.device)
+    row_req = torch.searchsorted(cu[1:], t, right=True).clamp(max=R - 1)
+    valid = t < cu[-1]
+    row_off = torch.where(valid, t - cu[row_req], 0)
+    return Layout(cu.to(torch.int32), row_req, row_off, valid)
+
+
+def tier_list(batch_sizes, gamma: int, fractions=(1.0,), max_slots: int | None = None) -> list[tuple[int, int]]:
+    """(slots, tokens) tiers: for each slot count b, tokens b + ceil(f * b * gamma) per fraction."""
+    tiers = set()
+    for b in batch_sizes:
+        if max_slots is not None and b > max_slots:
+            continue
+        for f in fractions:
+            tiers.add((b, b + -(-int(round(f * b * gamma * 1000)) // 1000)))
+    return sorted(tiers)
+
+
+def pick_tier(tiers: list[tuple[int, int]], requests: int, tokens: int) -> tuple[int, int] | None:
+    """The smallest tier holding `requests` slots and `tokens` rows (fewest tokens, then slots)."""
+    fits = [t for t in tiers if t[0] >= requests and t[1] >= tokens]
+    return min(fits, key=lambda t: (t[1], t[0])) if fits else None
+
+
+class StaticInputs:
+    """The flat int64 input buffer of every tier: [slots | valid | window_cap] (max_slots each),
+    then budget, trim, accept_cap."""
+
+    def __init__(self, max_slots: int, device):
+        self.max_slots, self.device = max_slots, device
+        self.buf = torch.zeros(3 * max_slots + 3, dtype=torch.long, device=device)
+        self.host = torch.zeros(3 * max_slots + 3, dtype=torch.long,
+                                pin_memory=torch.device(device).type == "cuda")
+
+    def views(self, slots: int):
+        """(slots, valid, window_cap, budget, trim, accept_cap) views for a tier of `slots` rows."""
+        M, b = self.max_slots, self.buf
+        return (b[:slots], b[M:M + slots], b[2 * M:2 * M + slots], b[3 * M], b[3 * M + 1], b[3 * M + 2])
+
+    def write(self, slots: list[int], scratch: int, tier_slots: int, window_cap: list[int], budget: int,
+              trim: bool, accept_cap: int) -> None:
+        """Fill the host copy (padding rows: the scratch slot, invalid) and send it in one copy.
+        The host copy is reused only after the previous step's copy has run: the caller has
+        already waited for that step's results (at most one step is in flight)."""
+        M, h, R = self.max_slots, self.host, len(slots)
+        h[:R] = torch.tensor(slots)
+        h[R:tier_slots] = scratch
+        h[M:M + tier_slots] = 0
+        h[M:M + R] = 1
+        h[2 * M:2 * M + R] = torch.tensor(window_cap)
+        h[3 * M], h[3 * M + 1], h[3 * M + 2] = budget, int(trim), accept_cap
+        self.buf.copy_(h, non_blocking=True)
+
+
+class RaggedGraphs:
+    """Captures the decode step per (tier, variant) and replays it.
+
+    `step_fn(views, tokens, greedy_only, truncates) -> (ints, floats)` is the decode step on the
+    static views, returning its packed outputs; the variant (greedy_only, truncates) selects
+    the sampling code the graph holds (argmax only; full sampling; with the top-k/top-p sort)."""
+
+    def __init__(self, step_fn, inputs: StaticInputs, tiers: list[tuple[int, int]], device, use_graphs: bool,
+                 scratch: int):
+        self.step_fn, self.inputs, self.tiers, self.device, self.scratch = step_fn, inputs, tiers, device, scratch
+        self.use_graphs = use_graphs and torch.device(device).type == "cuda"
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def capture(self, variants, progress: bool = True) -> None:
+        """Capture every tier for each variant, largest first, into one memory pool."""
+        if not self.use_graphs:
+            return
+        from tqdm.auto import tqdm
+        keys = [(t, v) for v in variants for t in sorted(self.tiers, reverse=True)]
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        for tier, variant in tqdm(keys, desc="capture CUDA graphs", disable=not progress, leave=False):
+            self._capture(tier, variant)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def _capture(self, tier, variant) -> None:
+        slots, tokens = tier
+        views = self.inputs.views(slots)
+        # Run the step on the padded scratch inputs first: compiles every Triton kernel and
+        # settles the allocator; the padding row is invalid, so nothing is written.
+        self.inputs.write([], self.scratch, slots, [], 0, False, 0)
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self.step_fn(views, tokens, *variant)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.step_fn(views, tokens, *variant)
+        self.graphs[(tier, variant)] = (g, out)
+
+    def captured(self, tier, variant) -> bool:
+        return (tier, variant) in self.graphs
+
+    def run(self, tier, variant) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay (or, without a graph for this key, run eagerly) on the inputs already written."""
+        entry = self.graphs.get((tier, variant))
+        if entry is not None:
+            entry[0].replay()
+            return entry[1]
+        return self.step_fn(self.inputs.views(tier[0]), tier[1], *variant)
