@@ -92,8 +92,11 @@ class StaticInputs:
     def __init__(self, max_slots: int, device):
         self.max_slots, self.device = max_slots, device
         self.buf = torch.zeros(3 * max_slots + 3, dtype=torch.long, device=device)
-        self.host = torch.zeros(3 * max_slots + 3, dtype=torch.long,
-                                pin_memory=torch.device(device).type == "cuda")
+        pin = torch.device(device).type == "cuda"
+        # Two host copies, used in turn: while step n+1 is written, step n's copy may still be
+        # queued behind step n-1 on the stream (the overlapped loop), so it needs its own.
+        self.hosts = [torch.zeros(3 * max_slots + 3, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
 
     def views(self, slots: int):
         """(slots, valid, window_cap, budget, trim, accept_cap) views for a tier of `slots` rows."""
@@ -102,10 +105,11 @@ class StaticInputs:
 
     def write(self, slots: list[int], scratch: int, tier_slots: int, window_cap: list[int], budget: int,
               trim: bool, accept_cap: int) -> None:
-        """Fill the host copy (padding rows: the scratch slot, invalid) and send it in one copy.
-        The host copy is reused only after the previous step's copy has run: the caller has
-        already waited for that step's results (at most one step is in flight)."""
-        M, h, R = self.max_slots, self.host, len(slots)
+        """Fill a host copy (padding rows: the scratch slot, invalid) and send it in one copy.
+        A host copy is reused two steps later, after the step that used it has been read (at
+        most one step is in flight), so its copy has run."""
+        self.turn ^= 1
+        M, h, R = self.max_slots, self.hosts[self.turn], len(slots)
         h[:R] = torch.tensor(slots)
         h[R:tier_slots] = scratch
         h[M:M + tier_slots] = 0

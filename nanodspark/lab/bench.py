@@ -540,9 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_profile as bp
+    from . import bench_speed as bsp
     for name, helptext, add_args, run in (
-            ("engine", "LLM.generate tokens/s, Qwen3-0.6B shape, random weights", be.add_engine_args,
-             be.engine_baseline),
+            ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
+             bsp.add_speed_args, bsp.engine_speed),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
             ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
              be.dspark_bench),

@@ -82,56 +82,6 @@ def time_generate(llm, prompts, params, repeats: int) -> dict:
             "tokens_per_second": round(n / med, 1)}
 
 
-def engine_baseline(args) -> dict:
-    from .. import LLM, SamplingParams
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = random_checkpoint(QWEN3_0_6B, Path(tmp) / "qwen3-0.6b-random")
-        backends = ["torch"] + (["triton"] if torch.cuda.is_available() else [])
-        for backend in backends:
-            try:
-                llm = LLM(str(path), attention_backend=backend, max_num_seqs=256, use_tqdm=False,
-                          kv_cache_memory_gb=args.kv_gb)
-            except Exception as e:  # a backend that cannot start is reported, not hidden
-                rows.append({"backend": backend, "error": repr(e)})
-                continue
-            g = torch.Generator().manual_seed(0)
-            for batch in args.batches:
-                prompts = [torch.randint(0, QWEN3_0_6B["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
-                params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-                try:
-                    r = time_generate(llm, prompts, params, args.repeats)
-                except Exception as e:
-                    r = {"error": repr(e)}
-                rows.append({"backend": backend, "batch": batch, "prompt_len": args.prompt_len,
-                             "max_tokens": args.max_tokens, **r})
-                print(rows[-1], flush=True)
-            del llm
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    result = {"benchmark": "engine baseline: LLM.generate tokens/s", "model": "Qwen3-0.6B shape, RANDOM weights",
-              "dtype": "bfloat16" if torch.cuda.is_available() else "float32", **environment(), "rows": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{'backend':8} {'batch':>5} {'tok/s':>9} {'median s':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['backend']:8} {r.get('batch', '-'):>5} error: {r['error'][:60]}")
-        else:
-            print(f"{r['backend']:8} {r['batch']:>5} {r['tokens_per_second']:>9} {r['seconds_median']:>9}")
-    return result
-
-
-def add_engine_args(p) -> None:
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-gb", type=float, default=8.0)
-    p.add_argument("--out", default="")
-
-
-
 # ----------------------------------------------------------------------------- dspark economics
 def run_traffic(llm, prompts, workloads, params) -> dict:
     spec = llm.engine.metrics
