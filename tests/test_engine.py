@@ -15,10 +15,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
+    dev = model.lm_head.weight.device
     with torch.no_grad():
         for _ in range(n):
             S = len(ids)
-            out = model(torch.tensor(ids), torch.arange(S), DenseAttentionContext(1, S))
+            out = model(torch.tensor(ids, device=dev), torch.arange(S, device=dev), DenseAttentionContext(1, S))
             ids.append(int(model.compute_logits(out.hidden[-1:]).argmax()))
     return ids[len(prompt):]
 

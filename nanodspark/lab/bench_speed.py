@@ -41,7 +41,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _prompts(batch, length, vocab, seed=0):
+def _prompts(batch, length, vocab, seed=0, tokenizer=None, kind="random"):
+    """`batch` prompts of `length` tokens: random ids, or (kind "mix") the mixed workload's real
+    prompts (math, code, chat, poetry) cut to their last `length` tokens — text a drafter can
+    predict, where random ids are not."""
+    if kind == "mix" and tokenizer is not None:
+        from .bench_engine import bench_prompts
+        return [tokenizer.encode(p.render())[-length:] for p in bench_prompts("mix", batch)]
     g = torch.Generator().manual_seed(seed + batch)
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
@@ -131,10 +137,13 @@ def step_profile(llm, prompts, n_steps: int) -> dict:
             eng.step()
         _sync()
     _finish(llm, reqs)
-    kernels, launches = [], 0
+    kernels, launches, by_name = [], 0, {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower():
             kernels.append((e.time_range.start, e.time_range.end))
+            c = by_name.setdefault(e.name[:80], [0, 0.0])
+            c[0] += 1
+            c[1] += e.time_range.end - e.time_range.start
         elif e.device_type == DeviceType.CPU and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
                                                            "cuLaunchKernelEx", "cudaLaunchKernelExC"):
             launches += 1
@@ -150,7 +159,9 @@ def step_profile(llm, prompts, n_steps: int) -> dict:
     busy_s = busy * 1e-6 / n_steps
     return {"step_ms": round(1e3 * wall, 3), "kernels_per_step": round(len(kernels) / n_steps, 1),
             "launches_per_step": round(launches / n_steps, 1), "gpu_ms_per_step": round(1e3 * busy_s, 3),
-            "gpu_busy": round(min(1.0, busy_s / wall), 3), "gpu_idle_ms_per_step": round(1e3 * max(0.0, wall - busy_s), 3)}
+            "gpu_busy": round(min(1.0, busy_s / wall), 3), "gpu_idle_ms_per_step": round(1e3 * max(0.0, wall - busy_s), 3),
+            "top_kernels": [{"name": k, "per_step": round(c / n_steps, 2), "us_per_step": round(t / n_steps, 2)}
+                            for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]]}
 
 
 def engine_speed(args) -> dict:
@@ -192,7 +203,7 @@ def engine_speed(args) -> dict:
             start_s = time.perf_counter() - t0
             graphs = llm.engine.executor.graphs
             for batch in args.batches:
-                ps = _prompts(batch, args.prompt_len, vocab)
+                ps = _prompts(batch, args.prompt_len, vocab, tokenizer=llm.tokenizer, kind=args.prompts)
                 try:
                     r = time_ns(llm, ps, args.max_tokens, args.repeats)
                     if args.profile_steps:
@@ -206,7 +217,8 @@ def engine_speed(args) -> dict:
             del llm
             torch.cuda.empty_cache()
     tmp.cleanup()
-    result = {"benchmark": "engine speed beside transformers", "model": model_desc, "prompt_len": args.prompt_len,
+    result = {"benchmark": "engine speed beside transformers", "model": model_desc, "prompts": args.prompts,
+              "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": "bfloat16", **environment(),
               "rows": rows, "ratios": ratios(rows)}
     if args.out:
@@ -257,6 +269,8 @@ def add_speed_args(p) -> None:
                    choices=["hf-dynamic", "hf-static", *NS_SYSTEMS])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompts", choices=("random", "mix"), default="random",
+                   help="random token ids (transformers gets the same), or the mixed workload's real prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled per point (0: none)")
