@@ -175,7 +175,19 @@ class LLMEngine:
         from .overlap_loop import OverlapLoop, SyncLoop
         self.loop = OverlapLoop(self) if cfg.overlap and self.device.type == "cuda" else SyncLoop(self)
         if use_graphs:
+            self._tune_gemms()
             self.executor.graphs.capture([(True, False), (False, False)], progress=cfg.use_tqdm)
+
+    def _tune_gemms(self) -> None:
+        """Record the GEMM shapes of every decode tier and let the skinny kernel take those it
+        runs faster (kernels/linear.py); before capture, so the graphs hold the choice."""
+        lin = self.ops.linear
+        if not self.config.tune_gemm or not hasattr(lin, "tune"):
+            return
+        lin.recording = set()
+        self.executor.graphs.warm([(True, False)])
+        shapes, lin.recording = lin.recording, None
+        lin.tune(shapes, self.device)
 
     def _load_drafter(self, model_dir):
         from .drafter import Drafter

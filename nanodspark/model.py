@@ -86,10 +86,10 @@ class Attention(nn.Module):
         self.qkv_bias = None if self.q_proj.bias is None else torch.cat(
             [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, ops: "Ops") -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D]: q heads, then k heads, then v heads."""
         if self.qkv_weight is not None:
-            return F.linear(x, self.qkv_weight, self.qkv_bias)
+            return ops.linear(x, self.qkv_weight, self.qkv_bias)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def split_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -103,8 +103,8 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
-        o = ctx.attend(self, self.project(x), cos, sin)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        o = ctx.attend(self, self.project(x, ctx.ops), cos, sin)
+        return ctx.ops.linear(o.reshape(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -132,7 +132,7 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx):
         if self.gate_up_weight is not None:
-            return self.down_proj(ctx.ops.silu_mul(F.linear(x, self.gate_up_weight)))
+            return ctx.ops.linear(ctx.ops.silu_mul(ctx.ops.linear(x, self.gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -159,7 +159,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.record_load = False
 
-    def route(self, x: torch.Tensor):
+    def route(self, x: torch.Tensor, ops: "Ops | None" = None):
+        if ops is not None and ops.route_topk is not None:    # the same, fused (kernels/moe.py)
+            weights, ids = ops.route_topk(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk)
+            return weights.to(x.dtype), ids
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -167,7 +170,7 @@ class MoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        weights, ids = self.route(x)
+        weights, ids = self.route(x, ctx.ops)
         if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
@@ -265,8 +268,9 @@ class CausalLM(nn.Module):
                 layer.fuse()
         return self
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, ops: "Ops | None" = None) -> torch.Tensor:
+        w = self.lm_head.weight
+        return (self.lm_head(hidden) if ops is None else ops.linear(hidden, w)).float()
 
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
@@ -328,6 +332,8 @@ class Ops:
     paged_attention: Callable    # kernels.paged_attention's contract
     silu_mul: Callable           # gate_up [T, 2I] -> silu(gate) * up
     experts: Callable            # (x, ids, weights, w_gate, w_up, w_down) -> [T, H]
+    linear: Callable = F.linear  # (x, w, b=None) -> x @ w.T + b
+    route_topk: Callable | None = None   # (router logits, k, renorm) -> (weights fp32, ids); None: torch
 
 
 def _torch_add_rmsnorm(x, residual, norm: RMSNorm):
@@ -370,7 +376,9 @@ TORCH_OPS = Ops("torch", _torch_add_rmsnorm, _torch_norm_rope_store, _torch_kv_n
 def triton_ops() -> Ops:
     from kernels import paged_attention
     from kernels.fused import add_rmsnorm, qk_norm_rope_store, silu_mul
-    from kernels.moe import fused_moe
+    from kernels.linear import SkinnyLinear
+    from kernels.moe import fused_moe, route_topk
+    linear = SkinnyLinear()      # the library's GEMM until `linear.tune` finds faster shapes
 
     def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, slots):
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
@@ -381,7 +389,7 @@ def triton_ops() -> Ops:
     def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
         D = attn.n_heads * attn.head_dim
         if attn.qkv_weight is not None:    # the k and v rows of the fused weight: one GEMM
-            kv = F.linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
+            kv = linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
         else:
             kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], dim=-1)
         kn = attn.k_norm.weight if attn.k_norm is not None else None
@@ -389,7 +397,7 @@ def triton_ops() -> Ops:
         qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, slots, 0, attn.n_kv, attn.head_dim)
 
     return Ops("triton", lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
-               kv_norm_rope_store, paged_attention, silu_mul, fused_moe)
+               kv_norm_rope_store, paged_attention, silu_mul, fused_moe, linear, route_topk)
 
 
 def ops_for(backend: str) -> Ops:

@@ -150,6 +150,14 @@ class RaggedGraphs:
         self.capture_seconds += time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
 
+    def warm(self, variants) -> None:
+        """Run every tier once eagerly on padding inputs (compiles kernels; lets a caller record
+        the shapes a decode step uses, e.g. to tune its GEMMs before capture)."""
+        for tier in self.tiers:
+            for v in variants:
+                self.inputs.write([], self.scratch, tier[0], [], 0, False, 0)
+                self.step_fn(self.inputs.views(tier[0]), tier[1], *v)
+
     def _capture(self, tier, variant) -> None:
         slots, tokens = tier
         views = self.inputs.views(slots)

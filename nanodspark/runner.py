@@ -84,7 +84,7 @@ class ModelRunner:
         ss = h2d([c.slot for c in chunks if c.sample], torch.long, dev)
         samp = st.sampling(ss, truncates)
         nxt_pos = pos_d[rows] + 1
-        tok = sample_from_probs(probs_from_logits(self.model.compute_logits(out.hidden[rows]), samp), samp,
+        tok = sample_from_probs(probs_from_logits(self.model.compute_logits(out.hidden[rows], self.ops), samp), samp,
                                 nxt_pos, STREAM_TARGET)
         st.last_token[ss] = tok
         st.seq_len[ss] = nxt_pos

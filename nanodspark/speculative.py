@@ -126,7 +126,7 @@ class SpecStep:
                                      st.kv_start[b.slots] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops)
         out = self.model(ids, pos, ctx, self.capture)
-        logits = self.model.compute_logits(out.hidden)
+        logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
         verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
