@@ -174,8 +174,9 @@ class LLMEngine:
         self.clock = PhaseClock()
         from .overlap_loop import OverlapLoop, SyncLoop
         self.loop = OverlapLoop(self) if cfg.overlap and self.device.type == "cuda" else SyncLoop(self)
-        if use_graphs:
+        if self.device.type == "cuda" and self.backend == "triton":
             self._tune_gemms()
+        if use_graphs:
             self.executor.graphs.capture([(True, False), (False, False)], progress=cfg.use_tqdm)
 
     def _tune_gemms(self) -> None:
