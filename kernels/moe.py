@@ -228,9 +228,9 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, 
         total += m
         p = tl.where(offs == idx, -1.0, p)
     if RENORM:
-        offs_k = tl.arange(0, TOP_K)
-        w = tl.load(w_ptr + t * TOP_K + offs_k)
-        tl.store(w_ptr + t * TOP_K + offs_k, w / total)
+        for j in tl.static_range(TOP_K):
+            w = tl.load(w_ptr + t * TOP_K + j)
+            tl.store(w_ptr + t * TOP_K + j, w / total)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:

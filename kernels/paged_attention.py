@@ -196,13 +196,13 @@ def _paged_attention_kernel(
         if split == 0:                       # how many partials the merge must combine
             tl.store(part_cnt_ptr + q_rows * stride_lt + head, eff + qi * 0, mask=row_ok)
     if eff > 1:
-        po = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(po + offs_d[None, :], out, mask=st_mask)
+        part = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
+        tl.store(part + offs_d[None, :], out, mask=st_mask)
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
     else:
-        po = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(po + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
+        dst = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(dst + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])

@@ -39,6 +39,8 @@ def drafted_pair(tiny_dir, tmp_path):
     return tmp_path / "drafter"
 
 
+@pytest.mark.skipif(CUDA, reason="bf16 GEMMs of another height round differently on the GPU; there the "
+                    "graph test below compares replay with eager on the same tier")
 @pytest.mark.parametrize("mode", ["static", "compact"])
 def test_padded_tiers_give_the_unpadded_result(tiny_dir, tmp_path, mode):
     """Every decode step padded to 8 slots (and, compact, to a token tier above its windows)
