@@ -21,7 +21,7 @@ Invariants
 * The names below are the server's public names: import them from `nanodspark.server`.
 * Importing this package needs the `serve` extra (fastapi, uvicorn, prometheus_client).
 """
-from .app import HTTPServer, OpenAIServer, create_app
+from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPARE_THREADS, HTTPServer, OpenAIServer, create_app
 from .engine_loop import ACCEPTED, EngineLoop, Handle
 from .metrics import Metrics
 from .openai_api import APIError, bad_request, get_field, message_text, parse_sampling, sse_event, usage_of
