@@ -18,7 +18,7 @@ comments do not list values, are checked against `DEVICE_CHOICES` and `DTYPE_CHO
 Server-only flags: `--model`, `--host`, `--port`, `--max-queue`, `--served-model-name`,
 `--log-level`, and the input limits `--max-body-bytes` (413 beyond it) and `--prepare-threads`
 (the worker threads that parse and tokenize request bodies). The limits are server-only, so
-they are arguments of `create_app`, not fields of `EngineConfig` (chapter 08, section 6).
+they are arguments of `create_app`, not fields of `EngineConfig` (chapter 08, section 9).
 
 Invariants: binds 127.0.0.1 unless `--host` says otherwise; a missing model is a one-line error
 naming `--model` (exit status 2), not a traceback; SIGINT/SIGTERM stop uvicorn, whose lifespan

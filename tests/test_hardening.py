@@ -14,13 +14,14 @@ already held, or the engine's side of the fix.
      finish_reason "error"): the server's half of isolation.
    * `test_a_failing_step_fails_its_batch_and_the_server_recovers` (held before; a guard).
 2. A 21 MB body freezes the server and grows it by gigabytes.
-   * `test_oversized_body_gets_413_at_once` OLD-FAILS (verified: 400 after ~8 s of tokenizing).
-   * `test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing` OLD-FAILS (verified:
-     it was tokenized, and the 400 had no `param`).
-   * `test_tokenizing_a_long_prompt_does_not_stall_the_event_loop` OLD-FAILS (verified: /health
-     waited for the whole encode, which held the interpreter lock).
-   * `test_soak_memory_stays_flat` (memory flat over a load with faults; OLD-FAILS through its
-     oversized bodies and context-overflow faults, verified).
+   * `test_oversized_body_gets_413_at_once` OLD-FAILS (verified: a 400 "prompt has 4200001
+     tokens", after tokenizing the whole body).
+   * `test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing` OLD-FAILS (verified;
+     the old server has no such bound: it tokenized the text, and its 400 had no `param`).
+   * `test_tokenizing_a_long_prompt_does_not_stall_the_event_loop` OLD-FAILS (verified: one
+     /health waited 0.74 s of a 0.79 s encode, which held the interpreter lock).
+   * `test_soak_memory_stays_flat` OLD-FAILS (verified: httpx.ReadTimeout, while the old server
+     was tokenizing the 21 MB bodies).
 3. A lone surrogate -> 500: `test_lone_surrogates_get_400_naming_the_field` OLD-FAILS (verified).
 4. 100k nested `[` -> 500 and a dropped connection:
    `test_deep_json_gets_400_and_the_connection_stays_open` OLD-FAILS (verified).
@@ -35,7 +36,7 @@ already held, or the engine's side of the fix.
      (engine.py), not tested here.
 
 And the fuzz: `test_fuzzed_bodies_never_get_a_5xx_nor_hang` (hypothesis, 200 bodies; OLD-FAILS,
-verified: it finds the surrogate and deep-JSON 500s within a few examples).
+verified: it found a deep-JSON 500).
 """
 import asyncio
 import json
@@ -58,7 +59,7 @@ from nanodspark import LLM, SamplingParams
 from nanodspark.config import EngineConfig
 from nanodspark.engine import LLMEngine
 from nanodspark.server import create_app
-from test_server import MODEL, ServerThread, _load_serve, kv_used, make_prompt, metric, scrape, wait_idle
+from test_server import MODEL, ServerThread, _load_serve, kv_used, make_prompt, metric, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY_OK = hasattr(nanodspark.sampling, "GREEDY_BELOW")   # the engine half of issue 22 is in

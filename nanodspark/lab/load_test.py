@@ -42,7 +42,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field

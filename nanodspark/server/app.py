@@ -19,7 +19,7 @@ queues, and three files:
   it takes is the inbox's, held for an append. `create_app` wires the routes, the error handlers
   and the metrics middleware; `HTTPServer` runs the app with uvicorn.
 
-Limits (chapter 08, section 6). Every bound is checked before the work it protects:
+Limits (chapter 08, section 9). Every bound is checked before the work it protects:
 
 * the body: `Content-Length` (or the bytes read so far) over `max_body_bytes` -> 413 before the
   body is kept; the bodies held at once (read, or waiting for a worker) are bounded too

@@ -27,7 +27,7 @@ Invariants
   `request_started` until the request's finished output, then it is dropped.
 * Counters only grow; the τ gauge is committed / steps over every verify step seen so far.
 * Label sets are bounded: endpoints are a fixed list (anything else is `other`), KV groups come
-  from the engine, finish reasons from the engine's three values.
+  from the engine, finish reasons from the engine's few values (stop, length, abort, error).
 """
 from __future__ import annotations
 
