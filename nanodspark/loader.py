@@ -12,6 +12,7 @@ set of ids that end a generation.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -188,6 +189,21 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """The ids of `encode`, computed with the interpreter lock released: `tokenizers` holds
+        the lock through `encode` but drops it in its batch path, so a worker thread that
+        tokenizes a long text this way does not stop the other threads (the server's event loop)."""
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest vocabulary
+        entry (a byte-level entry has one character per byte, and a text character is at least
+        a byte), times 4 if a normaliser could fold several characters into one. A text longer
+        than `n * longest_token_chars` characters has more than `n` tokens."""
+        longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self.tok.normalizer is not None else 1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

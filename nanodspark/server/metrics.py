@@ -8,6 +8,13 @@ back: the engine thread feeds every `RequestOutput` to `on_output` and, after ea
 iteration, the engine's queue lengths and KV usage to `set_engine_state`. The HTTP layer counts
 answered requests with `count_request`. `render()` returns the Prometheus text exposition.
 
+The process itself is measured too, so a load test can watch the server's memory from outside:
+prometheus_client's standard `process_*` series (`process_resident_memory_bytes`, CPU seconds,
+open file descriptors; Linux only) and, on CUDA, `nanodspark_device_memory_bytes` (allocated and
+reserved by torch's caching allocator), both read at scrape time. `nanodspark_requests_in_flight`
+is the server's own count of accepted requests whose handler has not ended (the `--max-queue`
+count): after a load it must return to 0, or a request is stuck.
+
 Speculative counters come from `RequestOutput.spec` (the request's `SpecStats` as a dict).
 Those are cumulative per request, so each output contributes the *difference* to the previous
 output of the same request. That keeps the counters live while a request runs and lets one
@@ -20,14 +27,14 @@ Invariants
   `request_started` until the request's finished output, then it is dropped.
 * Counters only grow; the τ gauge is committed / steps over every verify step seen so far.
 * Label sets are bounded: endpoints are a fixed list (anything else is `other`), KV groups come
-  from the engine, finish reasons from the engine's three values.
+  from the engine, finish reasons from the engine's few values (stop, length, abort, error).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -49,9 +56,18 @@ class _Track:
 
 
 class Metrics:
-    def __init__(self, prefix: str = "nanodspark"):
+    def __init__(self, prefix: str = "nanodspark", device=None):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)   # process_resident_memory_bytes and friends, at scrape time
         p = prefix + "_"
+        self.in_flight = Gauge(p + "requests_in_flight", "Accepted requests whose handler has not ended",
+                               registry=r)
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            import torch
+            mem = Gauge(p + "device_memory_bytes", "Device memory held by torch (allocated, reserved)",
+                        ["kind"], registry=r)
+            mem.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+            mem.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
         # HTTP and request lifecycle
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
@@ -99,6 +115,10 @@ class Metrics:
         self._live: dict[str, _Track] = {}
 
     # -- called by the HTTP layer ---------------------------------------------------------------
+    def track_inflight(self, count) -> None:
+        """`count()` is read at each scrape as `requests_in_flight`."""
+        self.in_flight.set_function(count)
+
     def count_request(self, endpoint: str, code: int) -> None:
         self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(code)).inc()
 
