@@ -360,6 +360,9 @@ class LLMEngine:
                 req.decode_inflight -= 1
             if req.status == Status.FINISHED:
                 continue                      # finished (or aborted) while this step was in flight
+            if not c.finite:                  # this request's numbers broke: it fails, the batch goes on
+                outs.append(self._finish(req, "error", error="the model produced non-finite logits for this request"))
+                continue
             if c.verify is not None:
                 req.num_computed += c.advanced
                 self._count(req, c.verify)
@@ -432,7 +435,7 @@ class LLMEngine:
         if reason in ("abort", "error") and req.text:
             delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
-                             len(req.output_ids), req.spec.as_dict())
+                             len(req.output_ids), req.spec.as_dict(), error)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the server calls this once it has answered)."""

@@ -47,7 +47,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, chunks: list[Chunk], truncates: bool = False) -> torch.Tensor:
-        """Run the chunks; returns the tokens sampled for the chunks with `sample` (device, in order)."""
+        """Run the chunks; returns the tokens sampled for the chunks with `sample` (device, in order),
+        followed by one flag per sampled chunk: 1 if its logits were finite."""
         ids, pos, row_req, skip, cu = [], [], [], [], [0]
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
@@ -84,8 +85,8 @@ class ModelRunner:
         ss = h2d([c.slot for c in chunks if c.sample], torch.long, dev)
         samp = st.sampling(ss, truncates)
         nxt_pos = pos_d[rows] + 1
-        tok = sample_from_probs(probs_from_logits(self.model.compute_logits(out.hidden[rows], self.ops), samp), samp,
-                                nxt_pos, STREAM_TARGET)
+        logits = self.model.compute_logits(out.hidden[rows], self.ops)
+        tok = sample_from_probs(probs_from_logits(logits, samp), samp, nxt_pos, STREAM_TARGET)
         st.last_token[ss] = tok
         st.seq_len[ss] = nxt_pos
-        return tok
+        return torch.cat([tok, torch.isfinite(logits).all(-1).long()])   # tokens, then finite flags

@@ -54,10 +54,11 @@ class DecodeOut:
     ceiling: torch.Tensor      # int64 [R]: drafts a full-block verify accepted (cap-accept)
     conf: torch.Tensor         # float32 [R, gamma]: calibrated conditional confidences
     conf_logits: torch.Tensor  # float32 [R, gamma]: raw confidence logits (calibration records)
+    finite: torch.Tensor       # int64 [R]: 1 if every logit row of the request was finite
 
     def fields(self) -> list[torch.Tensor]:
         return [self.tokens, self.drafts, self.count, self.windows, self.verified, self.ceiling, self.conf,
-                self.conf_logits]
+                self.conf_logits, self.finite]
 
 
 def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, trim: torch.Tensor,
@@ -129,6 +130,8 @@ class SpecStep:
         logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
+        # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
+        finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
         verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
                                anchor_pos, verified, cap, greedy_only)
         # accept: the new anchor and length, on the device
@@ -140,4 +143,4 @@ class SpecStep:
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
             slot = row_slots(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
             self.drafter.inject(out.captured, pos, torch.where(committed, slot, -1), self.draft_cache, self.ops)
-        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, conf, conf_logits)
+        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, conf, conf_logits, finite)
