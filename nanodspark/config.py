@@ -178,7 +178,7 @@ class EngineConfig:
     graph_token_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     # verify-token tiers per slot count when the verify mode trims: slots + fraction * slots * gamma
     overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; overlap_loop.py)
-    tune_gemm: bool = True                # time the skinny-GEMM kernel against the library per decode shape at start-up
+    tune_gemm: bool = False               # time the skinny-GEMM kernel (kernels/linear.py) against the library at start-up
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
 
