@@ -33,6 +33,8 @@ the moment the host reads it moves. `SyncLoop` is the reference: launch, wait, c
 """
 from __future__ import annotations
 
+from torch.profiler import record_function
+
 from .scheduler import Drain
 
 
@@ -46,15 +48,19 @@ class SyncLoop:
     def step(self):
         eng = self.engine
         eng.clock.start()
-        plan = eng.schedule()
+        with record_function("schedule"):
+            plan = eng.schedule()
         eng.clock.lap("schedule")
         if not plan:
             return []
-        handle = eng.launch(plan)
+        with record_function("launch"):
+            handle = eng.launch(plan)
         eng.clock.lap("launch")
-        result = handle.result()
+        with record_function("wait"):
+            result = handle.result()
         eng.clock.lap("wait")
-        outs = eng.commit(result)
+        with record_function("commit"):
+            outs = eng.commit(result)
         eng.clock.lap("commit")
         eng.clock.steps += 1
         return outs
@@ -74,13 +80,15 @@ class OverlapLoop:
         eng = self.engine
         eng.clock.start()
         outs = []
-        try:
-            plan = eng.schedule()
-        except Drain:                # a preemption needs the step in flight committed first
-            outs = self._commit_pending()
-            plan = eng.schedule()
+        with record_function("schedule"):
+            try:
+                plan = eng.schedule()
+            except Drain:            # a preemption needs the step in flight committed first
+                outs = self._commit_pending()
+                plan = eng.schedule()
         eng.clock.lap("schedule")
-        handle = eng.launch(plan) if plan else None
+        with record_function("launch"):
+            handle = eng.launch(plan) if plan else None
         eng.clock.lap("launch")
         outs += self._commit_pending()
         self.pending = handle
@@ -92,9 +100,11 @@ class OverlapLoop:
         if self.pending is None:
             return []
         handle, self.pending = self.pending, None
-        result = handle.result()
+        with record_function("wait"):
+            result = handle.result()
         self.engine.clock.lap("wait")
-        outs = self.engine.commit(result)
+        with record_function("commit"):
+            outs = self.engine.commit(result)
         self.engine.clock.lap("commit")
         return outs
 

@@ -541,7 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_profile as bp
     from . import bench_speed as bsp
+    from . import timeline as tl
     for name, helptext, add_args, run in (
+            ("timeline", "PNG of decode steps: host phases over GPU kernels, sync vs overlapped loop",
+             tl.add_timeline_args, tl.timeline),
             ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
              bsp.add_speed_args, bsp.engine_speed),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
