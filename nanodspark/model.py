@@ -104,7 +104,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
         o = ctx.attend(self, self.project(x), cos, sin)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return tp_reduce(self.o_proj(o.reshape(x.shape[0], -1)), ctx)
+
+
+def tp_reduce(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Sum a row-parallel block's partial outputs over the tensor-parallel ranks: the group the
+    forward's attention context carries (`ctx.tp`, distributed.py). A no-op in one process and
+    for contexts without a group (the drafter's own layers are replicated)."""
+    tp = getattr(ctx, "tp", None)
+    return x if tp is None else tp.all_reduce(x)
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -132,8 +140,8 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx):
         if self.gate_up_weight is not None:
-            return self.down_proj(ctx.ops.silu_mul(F.linear(x, self.gate_up_weight)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return tp_reduce(self.down_proj(ctx.ops.silu_mul(F.linear(x, self.gate_up_weight))), ctx)
+        return tp_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), ctx)
 
 
 class Experts(nn.Module):
@@ -158,6 +166,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.record_load = False
+        self.ep = None            # expert parallel: this rank's ExpertShard (distributed.py)
 
     def route(self, x: torch.Tensor):
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -171,8 +180,10 @@ class MoE(nn.Module):
         if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
+        if self.ep is not None:
+            ids, weights = self.ep.localize(ids, weights)
         w = self.experts
-        return ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj)
+        return tp_reduce(ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj), ctx)
 
 
 def torch_experts(x, ids, weights, w_gate, w_up, w_down) -> torch.Tensor:
@@ -409,6 +420,7 @@ class PagedAttentionContext:
     groups: dict[str, GroupMeta]
     ops: Ops = TORCH_OPS
     causal: bool = True
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
@@ -426,6 +438,7 @@ class DenseAttentionContext:
     batch: int
     seq: int
     ops: Ops = TORCH_OPS
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         q, k, v = attn.split_norm_rope(qkv, cos, sin)
