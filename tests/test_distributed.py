@@ -239,3 +239,57 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
         llm.shutdown()
     assert all(not p.is_alive() for p in par.procs)
 
+
+# ----------------------------------------------------------------------------- serve.py
+def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
+    """`python serve.py --tensor-parallel-size 2` on the CPU (gloo): the default pair (target and
+    drafter) answers with one process's greedy text; a worker killed while a stream is running
+    makes the server exit with status 1 and the error, within a bound."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    root = Path(__file__).resolve().parents[1]
+    prompt = "Once upon a time"
+    want = LLM(use_tqdm=False, device="cpu").generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, str(root / "serve.py"), "--tensor-parallel-size", "2", "--device", "cpu",
+                          "--port", str(port), "--log-level", "warning", "--dist-timeout-s", "30"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    try:
+        deadline = time.monotonic() + 150
+        while not any(line.lstrip().startswith("curl ") for line in lines):
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        banner = "".join(lines)
+        assert "2 cpu ranks (tensor parallel)" in banner, banner
+        worker = int(re.search(r"rank 1 pid (\d+)", banner).group(1))
+        base = f"http://127.0.0.1:{port}"
+        r = httpx.post(base + "/v1/completions", timeout=60,
+                       json={"model": "nanodspark-default", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        # a worker dies while a long stream runs
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"model": "nanodspark-default", "prompt": prompt, "max_tokens": 2000,
+                                "temperature": 0, "stream": True, "ignore_eos": True}) as stream:
+            chunks = stream.iter_lines()
+            next(c for c in chunks if c.startswith("data:"))
+            os.kill(worker, signal.SIGKILL)
+            rest = "".join(chunks)
+        assert "engine stopped" in rest and "tensor-parallel worker" in rest, rest[-500:]
+        assert p.wait(30) == 1
+        out = banner + p.stdout.read()
+        assert "error: the engine stopped: tensor-parallel worker" in out, out[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

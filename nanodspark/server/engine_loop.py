@@ -16,7 +16,9 @@ and the HTTP side talks to it only through queues:
   `APIError`: 400 for a `ValueError`, 429 for an `OverflowError`), then its outputs that carry
   text, then exactly one finished output.
 
-A step that raises fails only the requests in flight (500) and the thread keeps serving. On
+A step that raises fails only the requests in flight (500) and the thread keeps serving, unless
+the error is `fatal` (a lost tensor-parallel worker, distributed.py): then the thread ends and
+`on_fatal` stops the server. On
 `stop()` (the app's lifespan exit) the thread aborts everything still known, answers queued
 `add`s with 503, and is joined.
 
@@ -71,6 +73,7 @@ class EngineLoop:
         self._handles: dict[str, Handle] = {}   # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanodspark-engine", daemon=True)
         self.error: BaseException | None = None  # set if the loop itself died
+        self.on_fatal = None                     # called (engine thread) after it died: HTTPServer exits
 
     # -- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +123,9 @@ class EngineLoop:
                     try:
                         outs = eng.step()
                     except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
+                        if getattr(e, "fatal", False):  # the engine cannot go on (a lost tensor-parallel rank)
+                            self._fail_all(APIError(500, f"engine stopped: {e}", "server_error"))
+                            raise
                         log.exception("engine step failed")
                         self._fail_all(APIError(500, f"engine step failed: {e}", "server_error"))
                         outs = []
@@ -136,6 +142,8 @@ class EngineLoop:
             self.error = e
         finally:
             self._shutdown()
+            if self.error is not None and self.on_fatal is not None:
+                self.on_fatal(self.error)     # the server stops (HTTPServer)
 
     def _command(self, cmd: tuple) -> None:
         eng = self.engine
