@@ -293,3 +293,20 @@ def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# ----------------------------------------------------------------------------- the bench
+def test_bench_tp_runs_on_the_cpu_and_reports_allreduce_time(tmp_path):
+    """`python -m nanodspark.bench tp` at TP 2 (EP 2) on a tiny random MoE shape over gloo: rows
+    for each batch with tok/s and the step's all-reduce count (2L + 1) and time."""
+    import json
+    from nanodspark.lab.bench import main
+    out = tmp_path / "tp.json"
+    assert main(["tp", "--shapes", "tiny", "--tp", "2", "--ep", "2", "--batches", "1", "3", "--steps", "2",
+                 "--warmup", "1", "--context", "20", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["random_weights"] is True
+    rows = res["rows"]
+    assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, 2, 1), (2, 2, 3)]
+    for r in rows:
+        assert r["tok_s"] > 0 and r["allreduces_per_step"] == 2 * 2 + 1 and r["allreduce_ms_per_step"] > 0
