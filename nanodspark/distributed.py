@@ -115,7 +115,8 @@ class Layout:
             problems.append(f"expert_parallel_size={self.ep_size} does not divide tensor_parallel_size={n}")
         elif cfg.num_experts:
             if cfg.num_experts % self.ep_size:
-                problems.append(f"num_experts={cfg.num_experts} is not a multiple of expert_parallel_size={self.ep_size}")
+                problems.append(f"num_experts={cfg.num_experts} is not a multiple of "
+                                f"expert_parallel_size={self.ep_size}")
             if cfg.moe_intermediate_size % self.moe_tp:
                 problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not a multiple of "
                                 f"{self.moe_tp} (tensor_parallel_size / expert_parallel_size)")
@@ -303,10 +304,11 @@ def plan_reads(cfg: ModelConfig, layout: Layout, keys: list[str], local: set[str
     q0, nq, kv0, nkv = layout.heads(cfg)
     i0, ni = layout.split(cfg.intermediate_size) if cfg.intermediate_size else (0, 0)
     v0, rows = layout.vocab(cfg.vocab_size)
+    q_rows, kv_rows = (0, q0 * D, (q0 + nq) * D), (0, kv0 * D, (kv0 + nkv) * D)
     rules = {   # suffix -> (dim, start, stop); a Linear's weight is [out, in]
-        "self_attn.q_proj.weight": (0, q0 * D, (q0 + nq) * D), "self_attn.q_proj.bias": (0, q0 * D, (q0 + nq) * D),
-        "self_attn.k_proj.weight": (0, kv0 * D, (kv0 + nkv) * D), "self_attn.k_proj.bias": (0, kv0 * D, (kv0 + nkv) * D),
-        "self_attn.v_proj.weight": (0, kv0 * D, (kv0 + nkv) * D), "self_attn.v_proj.bias": (0, kv0 * D, (kv0 + nkv) * D),
+        "self_attn.q_proj.weight": q_rows, "self_attn.q_proj.bias": q_rows,
+        "self_attn.k_proj.weight": kv_rows, "self_attn.k_proj.bias": kv_rows,
+        "self_attn.v_proj.weight": kv_rows, "self_attn.v_proj.bias": kv_rows,
         "self_attn.o_proj.weight": (1, q0 * D, (q0 + nq) * D),
         "mlp.gate_proj.weight": (0, i0, i0 + ni), "mlp.up_proj.weight": (0, i0, i0 + ni),
         "mlp.down_proj.weight": (1, i0, i0 + ni),
@@ -375,6 +377,8 @@ class Parallel:
         self._digest = hashlib.blake2b(digest_size=16)
         self._unfolded = None
         self.steps = 0
+        if self.procs:                     # from start-up on: a worker that dies is named
+            threading.Thread(target=self._watch, name="nanodspark-tp-watch", daemon=True).start()
 
     # -- start-up ----------------------------------------------------------------------------
     @classmethod
@@ -437,8 +441,6 @@ class Parallel:
             code = self.serve(engine)
             raise SystemExit(code)
         threading.Thread(target=self._heartbeat, name="nanodspark-tp-heartbeat", daemon=True).start()
-        if self.procs:
-            threading.Thread(target=self._watch, name="nanodspark-tp-watch", daemon=True).start()
         atexit.register(self.shutdown)
 
     # -- rank 0: the control channel ------------------------------------------------------------

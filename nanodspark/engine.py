@@ -123,9 +123,12 @@ class LLMEngine:
         self.parallel = parallel          # None in one process; else this rank's place (distributed.py)
         try:
             self._build(model_path, cfg, parallel)
-        except BaseException:
+        except BaseException as e:
             if parallel is not None and parallel.rank == 0:
+                lost = parallel.lost
                 parallel.abort()
+                if lost is not None and not isinstance(e, distributed.WorkerLost):
+                    raise distributed.WorkerLost(f"{lost} during start-up") from e
             raise
         if parallel is not None:
             parallel.ready(self)          # a worker serves forwards from here and never returns
@@ -160,7 +163,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(drafter)
         if parallel is not None:              # rank 0 allocates blocks every rank must have
             num_blocks = parallel.min_int(num_blocks)
-        self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
+                                self.dtype, self.device)
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
         draft_cache = None

@@ -18,6 +18,8 @@ RMSNorm; LM head (tied or not). Per-layer attention type comes from `layer_types
 Invariants. The MoE experts of a layer are stored stacked (`[E, out, in]`); the loader maps
 them to and from the per-expert Hugging Face keys. `MoE.expert_load` counts tokens routed to
 each expert while `record_load` is on (EPLB reads it). No module-level mutable state.
+Tensor parallel (distributed.py): the loader gives the modules local shapes; the forward sums
+partial outputs with `tp_reduce` after o_proj, down_proj and the MoE, over `ctx.tp`.
 Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tensor and expert parallelism on the CPU: gloo, 2 and 4 processes, tiny models.
 
 * the loader gives each rank only its shard, read slice by slice (no rank holds the model);
-* TP logits equal single-process logits (float32, |diff| <= 1e-4 + 1e-4 |ref|: the only
+* TP logits equal single-process logits (float32, |diff| <= 1e-6 + 1e-5 |ref|: the only
   difference is the summation order of the all-reduced partial sums) for Qwen3 dense (tied
   embeddings), Llama (a vocabulary that does not split evenly), Qwen3-MoE with TP inside the
   experts and with EP, at 2 and 4 ranks (4 ranks: fewer KV heads than ranks, replicated);
@@ -23,7 +23,7 @@ from nanodspark.distributed import Layout, WorkerLost
 from nanodspark.loader import load_model, load_sharded
 from nanodspark.model import DenseAttentionContext
 
-TOL = dict(atol=1e-4, rtol=1e-4)
+TOL = dict(atol=1e-6, rtol=1e-5)   # measured: at most 6e-8 on logits of magnitude ~0.2
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 

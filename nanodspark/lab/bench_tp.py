@@ -193,8 +193,10 @@ def _measure(model, cfg, layout, group, tp, batch, a, device, dtype, cuda, shape
     slots = (tables[:, ctx_len // bs].long() * bs + ctx_len % bs)
     meta = GroupMeta(tables, slots, torch.full((batch,), ctx_len + 1, dtype=torch.int32, device=device))
     groups = {g: meta for g in kv.layout}
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=torch.Generator(device=device).manual_seed(0))
-    pctx = PagedAttentionContext(kv, torch.arange(batch + 1, dtype=torch.int32, device=device), 1, groups, ops, tp=group)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=gen)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    pctx = PagedAttentionContext(kv, cu, 1, groups, ops, tp=group)
 
     @torch.inference_mode()
     def step():
