@@ -397,6 +397,9 @@ class Parallel:
                                     timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
             return cls(rank, world, cfg.expert_parallel_size, backend, device, cfg.dist_timeout_s)
         world = cfg.tensor_parallel_size
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; this machine has "
+                             f"{torch.cuda.device_count()} (device='cpu' runs the ranks on the CPU over gloo)")
         from .loader import resolve_model_dir
         Layout(0, world, cfg.expert_parallel_size).check(ModelConfig.from_json(resolve_model_dir(model_path)))
         init = f"tcp://127.0.0.1:{_free_port()}"

@@ -205,12 +205,12 @@ def _prompts():
     return [torch.randint(0, 8192, (n,), generator=g).tolist() for n in (5, 23, 40)]
 
 
-ENGINE = dict(use_tqdm=False, num_kv_blocks=64, max_num_seqs=4, dist_timeout_s=30)
+ENGINE = dict(use_tqdm=False, device="cpu", num_kv_blocks=64, max_num_seqs=4, dist_timeout_s=30)
 
 
 def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stops_it(spec_dir):
-    """One TP-2 engine (EP 2 for the MoE layers): greedy and seeded sampling equal one process
-    and every rank's step digest agrees; then a worker is killed mid-generation and the next
+    """One TP-2 engine (EP 2 for the MoE layers): greedy and seeded sampling equal one process,
+    also with the overlapped loop, and every rank's step digest agrees; then a worker is killed mid-generation and the next
     step raises `WorkerLost`, at once (gloo reports the closed connection)."""
     ref = LLM(str(spec_dir), **ENGINE)
     assert ref.engine.drafter is not None
@@ -224,6 +224,10 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
         assert par.world == 2 and eng.kv_cache.tensors["full"].shape[-2] == 1   # its own KV head (of 2)
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == want
         assert [o.token_ids for o in llm.generate(_prompts()[:2], seeded)] == want_seeded
+        # the overlapped loop (CUDA's default; here forced on the CPU): launch n+1, then commit n
+        from nanodspark.overlap_loop import OverlapLoop
+        eng.loop = OverlapLoop(eng)
+        assert [o.token_ids for o in llm.generate(_prompts()[1:], GREEDY)] == want[1:]
         digests = par.digests()
         assert par.steps > 0 and len(set(digests)) == 1, digests
         # a worker dies mid-generation
