@@ -228,6 +228,11 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
         from nanodspark.overlap_loop import OverlapLoop
         eng.loop = OverlapLoop(eng)
         assert [o.token_ids for o in llm.generate(_prompts()[1:], GREEDY)] == want[1:]
+        # host-decided windows that differ per request and per step reach every rank (rank 0
+        # decides, the plan carries them); verification stays lossless
+        from nanodspark.cost_scheduler import ForcedWindows
+        eng.windows = ForcedWindows(eng.gamma, lambda reqs: [(len(r.output_ids) + i) % 4 for i, r in enumerate(reqs)])
+        assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == want[:2]
         digests = par.digests()
         assert par.steps > 0 and len(set(digests)) == 1, digests
         # a worker dies mid-generation
