@@ -41,10 +41,12 @@ def _rank_main(rank, world, port, fn, args, queue):
 
 
 def run_world(fn, world, *args, timeout=120):
-    """Run fn(rank, world, *args) in `world` spawned gloo processes; returns the results by rank."""
+    """Run fn(rank, world, *args) in `world` forked gloo processes (forked: no process imports
+    torch again; each runs single-threaded); returns the results by rank. The engine itself
+    spawns its workers (the production path), which the engine tests use."""
     import torch.multiprocessing as mp
     from nanodspark.distributed import _free_port
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
@@ -59,17 +61,18 @@ def run_world(fn, world, *args, timeout=120):
             out[rank] = pickle.loads(res)
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join()
     return [out[r] for r in range(world)]
 
 
 # ----------------------------------------------------------------------------- models
-CASES = {   # name -> (kind, make_hf_model keywords, expert_parallel sizes to try)
-    "qwen3": ("qwen3", dict(tie=True), (1,)),
-    "llama": ("llama", dict(vocab_size=318), (1,)),
-    "qwen3_moe": ("qwen3_moe", dict(window=8), (1, 2, 4)),
+CASES = {   # name -> (kind, make_hf_model keywords, expert_parallel sizes to try); two layers each
+    "qwen3": ("qwen3", dict(tie=True, num_hidden_layers=2), (1,)),
+    "llama": ("llama", dict(vocab_size=318, num_hidden_layers=2), (1,)),
+    "qwen3_moe": ("qwen3_moe", dict(window=8, num_hidden_layers=2), (1, 2, 4)),   # one full, one sliding
 }
 
 
