@@ -20,6 +20,10 @@ Server-only flags: `--model`, `--host`, `--port`, `--max-queue`, `--served-model
 (the worker threads that parse and tokenize request bodies). The limits are server-only, so
 they are arguments of `create_app`, not fields of `EngineConfig` (chapter 08, section 9).
 
+Parallel: `--tensor-parallel-size N [--expert-parallel-size M]` starts N-1 worker processes
+itself (distributed.py); under `torchrun --nproc-per-node N serve.py ...` rank 0 serves and the
+other ranks run forwards. A lost worker stops the server with exit status 1 and the error.
+
 Invariants: binds 127.0.0.1 unless `--host` says otherwise; a missing model is a one-line error
 naming `--model` (exit status 2), not a traceback; SIGINT/SIGTERM stop uvicorn, whose lifespan
 exit stops and joins the engine thread.
@@ -197,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
 
+    par = engine.parallel
+    where = f"{engine.device}" if par is None else f"{par.world} {engine.device.type} ranks (tensor parallel)"
+    workers = "" if par is None or not par.procs else \
+        "tensor-parallel workers: " + ", ".join(f"rank {i + 1} pid {p.pid}" for i, p in enumerate(par.procs)) + "\n"
+
     def banner():
-        print(f"\nnanodspark is serving {name!r} on {engine.device} at {url}/v1\n"
+        print(f"\nnanodspark is serving {name!r} on {where} at {url}/v1\n{workers}"
               f"Try:\n  {curl_example(url, name)}\n", flush=True)
 
     server = HTTPServer(app, on_ready=banner, host=args.host, port=args.port, log_level=args.log_level,
@@ -213,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         app.state.server.loop.stop()  # a no-op after a clean lifespan exit; joins after a forced one
+        engine.shutdown()             # the tensor-parallel workers, if any
+    error = app.state.server.loop.error
+    if error is not None:
+        print(f"error: the engine stopped: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -181,6 +181,11 @@ class EngineConfig:
     tune_gemm: bool = False               # time the skinny-GEMM kernel (kernels/linear.py) against the library at start-up
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
+    # --- parallelism ---
+    tensor_parallel_size: int = 1         # processes splitting the target: heads, MLP, vocab (distributed.py)
+    expert_parallel_size: int = 1         # expert groups among those processes for MoE layers (divides the TP size)
+    dist_backend: str = "auto"            # "auto" = nccl on cuda, gloo on cpu
+    dist_timeout_s: float = 120.0         # a collective, or a worker, silent this long is an error
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -205,3 +210,9 @@ class EngineConfig:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1 or \
+                self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError("tensor_parallel_size and expert_parallel_size must be positive, and the expert "
+                             "parallel size must divide the tensor parallel size")
+        if self.dist_backend not in ("auto", "gloo", "nccl") or self.dist_timeout_s <= 0:
+            raise ValueError("dist_backend must be auto, gloo or nccl, and dist_timeout_s positive")

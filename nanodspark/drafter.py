@@ -231,7 +231,10 @@ class Drafter(nn.Module):
         every request greedy) draws slot k with the request's keyed noise on stream DRAFT at the
         position it proposes, anchor + k + 1. No host sync: this runs inside a CUDA graph."""
         h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
-        base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
+        if type(self.lm_head) is nn.Linear:
+            base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
+        else:                                  # a vocab-parallel head gathers its shards itself
+            base = self.lm_head(h).float()
         prev, toks, probs, zs = anchors, [], [], []
         for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
             logits = base[:, k] + self.markov_bias(prev)

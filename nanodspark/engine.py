@@ -115,13 +115,34 @@ class PhaseClock:
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | None = None, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | None = None, config: EngineConfig | None = None, parallel=None):
         self.config = cfg = config or EngineConfig()
-        self.device = pick_device(cfg.device)
+        from . import distributed
+        if parallel is None and distributed.wanted(cfg):
+            parallel = distributed.Parallel.start(cfg, model_path)   # spawns the workers (or joins torchrun's)
+        self.parallel = parallel          # None in one process; else this rank's place (distributed.py)
+        try:
+            self._build(model_path, cfg, parallel)
+        except BaseException as e:
+            if parallel is not None and parallel.rank == 0:
+                lost = parallel.lost
+                parallel.abort()
+                if lost is not None and not isinstance(e, distributed.WorkerLost):
+                    raise distributed.WorkerLost(f"{lost} during start-up") from e
+            raise
+        if parallel is not None:
+            parallel.ready(self)          # a worker serves forwards from here and never returns
+
+    def _build(self, model_path, cfg: EngineConfig, parallel) -> None:
+        from .distributed import local_config
+        self.device = parallel.device if parallel is not None else pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         model_dir = resolve_model_dir(model_path)
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
+        shard = {} if parallel is None else dict(layout=parallel.layout, tp=parallel.tp)
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, **shard)
         self.model_config = mc = self.model.config
+        # the attention of this rank (its own heads): what its KV cache holds
+        self.kv_config = mc if parallel is None else local_config(mc, parallel.layout)
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_id) if (model_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
@@ -140,7 +161,10 @@ class LLMEngine:
             if drafter is not None:
                 drafter.fuse()
         num_blocks = self._num_kv_blocks(drafter)
-        self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
+        if parallel is not None:              # rank 0 allocates blocks every rank must have
+            num_blocks = parallel.min_int(num_blocks)
+        self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
+                                self.dtype, self.device)
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
         draft_cache = None
@@ -158,9 +182,11 @@ class LLMEngine:
         self.writes = StateWrites()
         self.verify_mode = VerifyMode.parse(cfg.verify_mode)
         from .speculative import SpecStep
-        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache)
+        tp = parallel.tp if parallel is not None else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache,
+                                  tp=tp)
         spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
-                        drafter, draft_cache)
+                        drafter, draft_cache, tp=tp)
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions)
@@ -217,7 +243,7 @@ class LLMEngine:
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain))
 
     def _num_kv_blocks(self, drafter=None) -> int:
-        cfg, mc = self.config, self.model_config
+        cfg, mc = self.config, self.kv_config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         n_layers = mc.num_hidden_layers + (drafter.config.num_layers if drafter is not None else 0)
@@ -332,6 +358,8 @@ class LLMEngine:
         reqs = sp.decode + [r for r, c in zip(sp.chunk_owners, sp.chunks) if c.sample]
         sp.greedy_only = all(r.params.greedy for r in reqs)
         sp.truncates = any(r.params.truncates for r in reqs)
+        if self.parallel is not None:         # rank 0 sends the step, every rank runs it (distributed.py)
+            return self.parallel.launch(self, w, sp)
         self.state.apply(w)
         return self.executor.launch(sp)
 
@@ -437,6 +465,11 @@ class LLMEngine:
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict(), error)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op in one process; also runs at exit)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     def release(self, request_id: str) -> None:
         """Forget a finished request (the server calls this once it has answered)."""
         req = self.requests.get(request_id)
@@ -451,6 +484,10 @@ class LLM:
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (`tensor_parallel_size > 1`)."""
+        self.engine.shutdown()
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield the `RequestOutput`s of one request as its tokens are committed (a verify step

@@ -18,6 +18,8 @@ RMSNorm; LM head (tied or not). Per-layer attention type comes from `layer_types
 Invariants. The MoE experts of a layer are stored stacked (`[E, out, in]`); the loader maps
 them to and from the per-expert Hugging Face keys. `MoE.expert_load` counts tokens routed to
 each expert while `record_load` is on (EPLB reads it). No module-level mutable state.
+Tensor parallel (distributed.py): the loader gives the modules local shapes; the forward sums
+partial outputs with `tp_reduce` after o_proj, down_proj and the MoE, over `ctx.tp`.
 Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
 """
 from __future__ import annotations
@@ -104,7 +106,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
         o = ctx.attend(self, self.project(x, ctx.ops), cos, sin)
-        return ctx.ops.linear(o.reshape(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
+        return tp_reduce(ctx.ops.linear(o.reshape(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias), ctx)
+
+
+def tp_reduce(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Sum a row-parallel block's partial outputs over the tensor-parallel ranks: the group the
+    forward's attention context carries (`ctx.tp`, distributed.py). A no-op in one process and
+    for contexts without a group (the drafter's own layers are replicated)."""
+    tp = getattr(ctx, "tp", None)
+    return x if tp is None else tp.all_reduce(x)
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -132,8 +142,9 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx):
         if self.gate_up_weight is not None:
-            return ctx.ops.linear(ctx.ops.silu_mul(ctx.ops.linear(x, self.gate_up_weight)), self.down_proj.weight)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return tp_reduce(ctx.ops.linear(ctx.ops.silu_mul(ctx.ops.linear(x, self.gate_up_weight)),
+                                            self.down_proj.weight), ctx)
+        return tp_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), ctx)
 
 
 class Experts(nn.Module):
@@ -158,6 +169,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.record_load = False
+        self.ep = None            # expert parallel: this rank's ExpertShard (distributed.py)
 
     def route(self, x: torch.Tensor, ops: "Ops | None" = None):
         if ops is not None and ops.route_topk is not None:    # the same, fused (kernels/moe.py)
@@ -174,8 +186,10 @@ class MoE(nn.Module):
         if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
+        if self.ep is not None:
+            ids, weights = self.ep.localize(ids, weights)
         w = self.experts
-        return ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj)
+        return tp_reduce(ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj), ctx)
 
 
 def torch_experts(x, ids, weights, w_gate, w_up, w_down) -> torch.Tensor:
@@ -269,8 +283,10 @@ class CausalLM(nn.Module):
         return self
 
     def compute_logits(self, hidden: torch.Tensor, ops: "Ops | None" = None) -> torch.Tensor:
-        w = self.lm_head.weight
-        return (self.lm_head(hidden) if ops is None else ops.linear(hidden, w)).float()
+        # a vocab-parallel head (distributed.py) gathers its shards in its own forward
+        if ops is None or type(self.lm_head) is not nn.Linear:
+            return self.lm_head(hidden).float()
+        return ops.linear(hidden, self.lm_head.weight).float()
 
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
@@ -417,6 +433,7 @@ class PagedAttentionContext:
     groups: dict[str, GroupMeta]
     ops: Ops = TORCH_OPS
     causal: bool = True
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
@@ -434,6 +451,7 @@ class DenseAttentionContext:
     batch: int
     seq: int
     ops: Ops = TORCH_OPS
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         q, k, v = attn.split_norm_rope(qkv, cos, sin)

@@ -40,8 +40,8 @@ class Chunk:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, state: DeviceState, ops: Ops, block_size: int,
-                 drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None):
-        self.model, self.kv_cache, self.state, self.ops = model, kv_cache, state, ops
+                 drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None, tp=None):
+        self.model, self.kv_cache, self.state, self.ops, self.tp = model, kv_cache, state, ops, tp
         self.block_size, self.drafter, self.draft_cache = block_size, drafter, draft_cache
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
@@ -73,7 +73,7 @@ class ModelRunner:
                 slot = torch.where(skip_d, -1, slot)
             groups[name] = GroupMeta(bt, slot, kv_lens, st.kv_start[slots_d] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, h2d(cu, torch.int32, dev), max(len(c.token_ids) for c in chunks),
-                                    groups, self.ops)
+                                    groups, self.ops, tp=self.tp)
         out = self.model(ids_d, pos_d, ctx, self.capture)
         if self.drafter is not None:
             slot = row_slots(st.tables["draft"][slots_d], req_d, pos_d, self.block_size)

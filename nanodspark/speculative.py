@@ -80,8 +80,10 @@ def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
 
 class SpecStep:
     def __init__(self, model: CausalLM, kv_cache: KVCache, state: DeviceState, ops: Ops, block_size: int,
-                 mode: VerifyMode, drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None):
+                 mode: VerifyMode, drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None,
+                 tp=None):
         self.model, self.kv_cache, self.state, self.ops, self.block_size = model, kv_cache, state, ops, block_size
+        self.tp = tp                    # the tensor-parallel group the target's forward reduces over
         self.mode, self.drafter, self.draft_cache = mode, drafter, draft_cache
         self.gamma = drafter.config.gamma if drafter is not None else 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
@@ -125,7 +127,7 @@ class SpecStep:
             slot = row_slots(bt, lay.row_req, pos, self.block_size)
             groups[name] = GroupMeta(bt, torch.where(lay.row_valid, slot, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
-        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops)
+        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
         logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()

@@ -541,10 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_profile as bp
     from . import bench_speed as bsp
+    from . import bench_tp as btp
     from . import timeline as tl
     for name, helptext, add_args, run in (
             ("timeline", "PNG of decode steps: host phases over GPU kernels, sync vs overlapped loop",
              tl.add_timeline_args, tl.timeline),
+            ("tp", "tensor parallel decode tok/s (TP 1/2/4/8, random weights) and all-reduce time per step",
+             btp.add_tp_args, btp.tp_bench),
             ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
              bsp.add_speed_args, bsp.engine_speed),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),

@@ -458,6 +458,11 @@ class HTTPServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, **config))
         self.openai_server: OpenAIServer = app.state.server
         self.on_ready = on_ready
+        self.openai_server.loop.on_fatal = self._engine_died
+
+    def _engine_died(self, error: BaseException) -> None:
+        log.error("the engine stopped (%s); shutting the server down", error)
+        self.should_exit = True
 
     async def startup(self, sockets=None):
         await super().startup(sockets)

@@ -20,8 +20,10 @@ Failures. A request the engine finishes with reason `"error"` (its own fault, e.
 are not finite: the engine isolates it and the batch goes on) gets a 500 of its own, with the
 engine's reason. A step that raises is an engine-wide fault: every request in flight gets a 500
 (through `engine.fail_all` where the engine has it, which also resets its device state) and the
-thread keeps serving new requests. On `stop()` (the app's lifespan exit) the thread aborts
-everything still known, answers queued `add`s with 503, and is joined.
+thread keeps serving new requests — unless the error is `fatal` (a lost tensor-parallel worker,
+distributed.py): then the thread ends and `on_fatal` stops the server. On `stop()` (the app's
+lifespan exit) the thread aborts everything still known, answers queued `add`s with 503, and is
+joined.
 
 Invariants
 ----------
@@ -75,6 +77,7 @@ class EngineLoop:
         self._handles: dict[str, Handle] = {}   # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanodspark-engine", daemon=True)
         self.error: BaseException | None = None  # set if the loop itself died
+        self.on_fatal = None                     # called (engine thread) after it died: HTTPServer exits
 
     # -- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -124,6 +127,9 @@ class EngineLoop:
                     try:
                         outs = eng.step()
                     except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
+                        if getattr(e, "fatal", False):  # the engine cannot go on (a lost tensor-parallel rank)
+                            self._fail_all(APIError(500, f"engine stopped: {e}", "server_error"))
+                            raise
                         log.exception("engine step failed")
                         self._step_failed(f"engine step failed: {e}")
                         outs = []
@@ -140,6 +146,8 @@ class EngineLoop:
             self.error = e
         finally:
             self._shutdown()
+            if self.error is not None and self.on_fatal is not None:
+                self.on_fatal(self.error)     # the server stops (HTTPServer)
 
     def _command(self, cmd: tuple) -> None:
         eng = self.engine
