@@ -171,6 +171,7 @@ class EngineConfig:
     cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
     verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
     verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
+    coupled_sampling: bool = False        # drafts and verification share the target's noise: the same tokens with speculation on or off
     # --- execution (walkthrough 10 and 11) ---
     cuda_graphs: bool = True              # replay decode steps from CUDA graphs (CUDA and the triton backend only)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)

@@ -224,12 +224,13 @@ class Drafter(nn.Module):
     @torch.inference_mode()
     def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
                 block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
-                ops: Ops = TORCH_OPS) -> Draft:
+                ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT) -> Draft:
         """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
         sequential stage, slot by slot: base logits plus the Markov bias of the previous token
         (the anchor for slot 0), the confidence of the slot, and its token. Sampling (st; None =
-        every request greedy) draws slot k with the request's keyed noise on stream DRAFT at the
-        position it proposes, anchor + k + 1. No host sync: this runs inside a CUDA graph."""
+        every request greedy) draws slot k with the request's keyed noise on `stream` (DRAFT; TARGET
+        for coupled drafts, verify.py) at the position it proposes, anchor + k + 1. No host sync:
+        this runs inside a CUDA graph."""
         h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
         if type(self.lm_head) is nn.Linear:
             base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
@@ -242,7 +243,7 @@ class Drafter(nn.Module):
             t = logits.argmax(-1)
             if st is not None:
                 p = probs_from_logits(logits, st)
-                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, STREAM_DRAFT)
+                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, stream)
                 t = torch.where(st.temperature < GREEDY_BELOW, t, drawn)
                 probs.append(p)
             toks.append(t)

@@ -187,6 +187,7 @@ class LLMEngine:
                                   tp=tp)
         spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
                         drafter, draft_cache, tp=tp)
+        spec.coupled = cfg.coupled_sampling
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions)

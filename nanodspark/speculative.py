@@ -29,6 +29,7 @@ from .device_state import DeviceState
 from .drafter import Drafter, row_slots
 from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
 from .ragged_graphs import pack_rows
+from .sampling import STREAM_DRAFT, STREAM_TARGET
 from .verify import VerifyMode, verify_batch
 
 
@@ -88,6 +89,7 @@ class SpecStep:
         self.gamma = drafter.config.gamma if drafter is not None else 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.propose_override = None    # tests: fn(slots, anchors, anchor_pos) -> Draft (eager only)
+        self.coupled = False            # coupled drafts and verification (verify.verify_batch)
 
     @torch.inference_mode()
     def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool) -> DecodeOut:
@@ -106,7 +108,8 @@ class SpecStep:
                 d = self.propose_override(b.slots, anchors, anchor_pos)
             else:
                 d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
-                                         self.block_size, samp, self.ops)
+                                         self.block_size, samp, self.ops,
+                                         STREAM_TARGET if self.coupled else STREAM_DRAFT)
             drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
         # choose windows
         windows = choose_windows(conf, active, b.budget, b.trim, b.window_cap)
@@ -135,7 +138,7 @@ class SpecStep:
         # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
         finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
         verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
-                               anchor_pos, verified, cap, greedy_only)
+                               anchor_pos, verified, cap, greedy_only, self.coupled)
         # accept: the new anchor and length, on the device
         count = torch.where(active, verdict.accepted + 1, 0)
         bonus = verdict.tokens.gather(1, verdict.accepted[:, None])[:, 0]

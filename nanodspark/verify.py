@@ -156,7 +156,8 @@ class BatchVerdict:
 
 def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                  row_index: torch.Tensor, st: SamplingTensors | None, anchor_pos: torch.Tensor,
-                 verified: torch.Tensor, cap: torch.Tensor, greedy_only: bool) -> BatchVerdict:
+                 verified: torch.Tensor, cap: torch.Tensor, greedy_only: bool,
+                 coupled: bool = False) -> BatchVerdict:
     """Accept a prefix of each request's drafts, all requests at once.
 
     drafts [R, g]; draft_probs [R, g, V] (the Markov-corrected draft distributions; None when
@@ -169,7 +170,13 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
     with probability min(1, P/Q), testing u < P(d)/Q(d) with a keyed uniform (stream ACCEPT at
     the draft's position); the first rejection inside the cap resamples from norm(max(0, P - Q))
     (stream RESIDUAL), and otherwise the next token is the target's own sample at the cap
-    (stream TARGET, exactly what target-only decoding would draw from P there)."""
+    (stream TARGET, exactly what target-only decoding would draw from P there).
+
+    Coupled (`coupled=True`, the drafts drawn with the TARGET stream's noise): the target's own
+    sample at every verified position is the Gumbel-max of P there with the TARGET noise — the
+    token target-only decoding would draw — and a draft is accepted iff it equals it; the next
+    token is the target's own sample. Every committed token is then *the* target-only token, so
+    output is the same with speculation on or off, for any drafter and window."""
     R, g = drafts.shape
     dev = drafts.device
     k = torch.arange(g, device=dev)
@@ -181,6 +188,17 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
     if not greedy_only:
         rows = st.rows(torch.arange(R, device=dev).repeat_interleave(g + 1))
         probs = probs_from_logits(logits[row_index.reshape(-1)], rows).view(R, g + 1, -1)
+    if probs is not None and coupled:
+        seeds = st.seed[:, None].expand(R, g + 1).reshape(-1)
+        own = gumbel_argmax(torch.log(probs.reshape(R * (g + 1), -1)), seeds, pos.reshape(-1),
+                            STREAM_TARGET).view(R, g + 1)
+        sampled_ok = (drafts == own[:, :g]) & in_window
+        greedy_rows = (st.temperature < GREEDY_BELOW)
+        ok = torch.where(greedy_rows[:, None], ok, sampled_ok)
+        m_full = ok.long().cumprod(1).sum(1)
+        m = torch.minimum(m_full, cap)
+        nxt = torch.where(greedy_rows, target_argmax.gather(1, m[:, None])[:, 0], own.gather(1, m[:, None])[:, 0])
+        return _verdict(drafts, m, m_full, nxt)
     if probs is not None and g > 0:
         pd = probs[:, :g].gather(2, drafts[:, :, None])[..., 0]
         qd = draft_probs.gather(2, drafts[:, :, None])[..., 0]
@@ -203,8 +221,14 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
             res_tok = gumbel_argmax(torch.log(dist), st.seed, p_next, STREAM_RESIDUAL)
             drawn = torch.where(rejected, res_tok, drawn)
         nxt = torch.where(st.temperature < GREEDY_BELOW, nxt, drawn)
-    tokens = torch.zeros(R, g + 1, dtype=torch.long, device=dev)
+    return _verdict(drafts, m, m_full, nxt)
+
+
+def _verdict(drafts, m, m_full, nxt) -> BatchVerdict:
+    """tokens [R, g + 1]: the m accepted drafts, then `nxt`, then zeros."""
+    R, g = drafts.shape
+    k = torch.arange(g + 1, device=drafts.device)[None, :]
+    tokens = torch.zeros(R, g + 1, dtype=torch.long, device=drafts.device)
     tokens[:, :g] = drafts
-    tokens.scatter_(1, at_m, nxt[:, None])
-    tokens = torch.where(torch.arange(g + 1, device=dev)[None, :] <= at_m, tokens, 0)
-    return BatchVerdict(tokens, m, m_full)
+    tokens.scatter_(1, m[:, None], nxt[:, None])
+    return BatchVerdict(torch.where(k <= m[:, None], tokens, 0), m, m_full)
