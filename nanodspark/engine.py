@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import EngineConfig
-from .detokenizer import detokenize
+from .detokenizer import commit_text
 from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache
 from .paged_kv import BlockManager
@@ -311,9 +311,9 @@ class LLMEngine:
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 bm.commit(t, req.ids(start, req.num_computed), start)
-        delta, stop_hit = detokenize(self.tokenizer, req, accepted, final=reason is not None)
-        if stop_hit:
-            reason = "stop"
+        delta, stop_hit, keep = commit_text(self.tokenizer, req, accepted, final=reason is not None)
+        if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from output_ids
+            reason, accepted = "stop", accepted[:keep]
         if reason:
             sched.running.remove(req)
             sched.free(req)
