@@ -13,8 +13,9 @@ differ per architecture:
   architecture): our default model is a full/sliding hybrid Qwen3-MoE.
 * Llama: no sliding attention; the flags are ignored, as transformers ignores them.
 
-What cannot be served exactly is refused with a `ValueError` naming the field; walkthrough
-chapter 01 §3 has the table.
+What cannot be served exactly is refused with a `ValueError` naming the field. `check_config`
+reports, before any weight is read, which fields of a config.json are honoured, ignored or
+refused (`python -m nanodspark.check DIR`); walkthrough chapter 01 §3 has the table.
 
 `EngineConfig` holds every knob of the engine, each with a default and a one-line meaning.
 Nothing else in the package hard-codes a tunable number.
@@ -270,6 +271,102 @@ def _read_sliding(arch: str, d: dict, get, n_layers: int, refused: list) -> tupl
         refused.append(("sliding_window", f"{window!r}: a sliding layer needs a positive window"))
         return [FULL] * n_layers, 0
     return types, window
+
+
+# ----------------------------------------------------------------------------- the loader check
+_HONOURED = {
+    "*": ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+          "rope_parameters", "partial_rotary_factor", "max_position_embeddings", "tie_word_embeddings",
+          "attention_bias", "hidden_act", "eos_token_id", "quantization_config"),
+    "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+    "qwen3_moe": ("use_sliding_window", "sliding_window", "layer_types", "num_experts", "num_local_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                  "mlp_only_layers"),
+    "llama": ("mlp_bias",),
+}
+_IGNORED = {   # field -> why it changes nothing the engine computes
+    "use_cache": "the engine always caches K/V (paged)",
+    "torch_dtype": "the engine's dtype option sets the compute dtype (recorded, written back on save)",
+    "dtype": "the engine's dtype option sets the compute dtype",
+    "bos_token_id": "prompts are tokenized as given; no BOS is added",
+    "pad_token_id": "batches are packed, never padded",
+    "initializer_range": "training only", "attention_dropout": "training only",
+    "output_router_logits": "training only", "router_aux_loss_coef": "training only",
+    "pretraining_tp": "transformers 5 does not read it either",
+    "transformers_version": "metadata", "_name_or_path": "metadata", "id2label": "metadata", "label2id": "metadata",
+    "problem_type": "metadata", "return_dict": "metadata", "output_hidden_states": "metadata",
+    "output_attentions": "metadata", "chunk_size_feed_forward": "metadata", "is_encoder_decoder": "metadata",
+}
+_IGNORED_PER_ARCH = {
+    "llama": {k: "transformers 5's Llama has no sliding attention" for k in
+              ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")},
+    "qwen3_moe": {"max_window_layers": "transformers 5's Qwen3-MoE does not read it (use_sliding_window slides every layer)"},
+}
+
+
+@dataclass
+class ConfigCheck:
+    """What `ModelConfig.from_dict` makes of a config.json, field by field (`check_config`)."""
+    architecture: str | None
+    rows: list[tuple[str, str, str]]       # (field, "honoured" | "ignored" | "refused" | "unknown", note)
+    config: ModelConfig | None
+
+    @property
+    def ok(self) -> bool:
+        return self.config is not None and not any(status == "refused" for _, status, _ in self.rows)
+
+    def format(self) -> str:
+        lines = [f"architecture: {self.architecture or 'unsupported'}"]
+        c = self.config
+        if c is not None:
+            slide = [i for i, t in enumerate(c.layer_types) if t == SLIDING]
+            lines.append(f"attention: {len(slide)} of {c.num_hidden_layers} layers sliding"
+                         + (f" (window {c.sliding_window}: layers {slide})" if slide else ""))
+            lines.append(f"rope: {c.rope_type}, theta {c.rope_theta:g}"
+                         + (f", {c.rope_scaling}" if c.rope_scaling else ""))
+        width = max([len(f) for f, _, _ in self.rows] + [5])
+        for status in ("refused", "honoured", "ignored", "unknown"):
+            for f, st, note in self.rows:
+                if st == status:
+                    lines.append(f"  {status:9s} {f:{width}s}  {note}")
+        lines.append("OK: loadable" if self.ok else "REFUSED: this checkpoint cannot be served exactly")
+        return "\n".join(lines)
+
+
+def check_config(d: dict) -> ConfigCheck:
+    """Which fields of a config.json are honoured, ignored or refused, before any weight is read.
+
+    Refusals are those `ModelConfig.from_dict` raises for; "unknown" fields are read by neither
+    this engine nor (for these architectures) transformers' modeling code as far as this table
+    knows; read their meaning before trusting the output."""
+    try:
+        cfg, refused = read_config(d)
+    except (TypeError, ValueError) as e:
+        cfg, refused = None, [("config.json", str(e))]
+    arch = cfg.architecture if cfg is not None else architecture_of(d)
+    rows = []
+    why_refused = {}
+    for k, why in refused:
+        why_refused.setdefault(k.split(".")[0], []).append(why)
+    honoured = set(_HONOURED["*"]) | set(_HONOURED.get(arch, ()))
+    ignored = {**_IGNORED, **_IGNORED_PER_ARCH.get(arch, {})}
+    for k in d:
+        v = json.dumps(d[k])
+        v = v if len(v) <= 60 else v[:57] + "..."
+        if k in why_refused:
+            rows.append((k, "refused", "; ".join(why_refused.pop(k))))
+        elif k in ignored:
+            rows.append((k, "ignored", ignored[k]))
+        elif k in honoured:
+            note = v
+            if arch == "qwen3_moe" and k == "layer_types":
+                note += "  (nanodspark extension: transformers 5 ignores it for Qwen3-MoE)"
+            rows.append((k, "honoured", note))
+        else:
+            rows.append((k, "unknown", f"{v}: not read"))
+    rows += [(k, "refused", "; ".join(w)) for k, w in why_refused.items()]   # e.g. a required field absent
+    return ConfigCheck(arch, rows, cfg)
 
 
 @dataclass

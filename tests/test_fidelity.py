@@ -6,6 +6,7 @@ loop that recomputes the whole sequence each step). What we cannot serve exactly
 """
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from nanodspark import LLM, SamplingParams
-from nanodspark.config import FULL, SLIDING, ModelConfig
+from nanodspark.config import FULL, SLIDING, ModelConfig, check_config
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext, RotaryEmbedding
 
@@ -254,3 +255,54 @@ def test_dynamic_rope_is_refused_past_its_original_context(tmp_path):
     with pytest.raises(ValueError, match=r"rope_type='dynamic'.*max_model_len=256"):
         LLM(str(d), drafter_path="none", use_tqdm=False, max_model_len=256)
 
+
+# ----------------------------------------------------------------------------- the loader check
+LLAMA31 = {   # the shape of a Llama 3.1 config.json, scaled down
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 131072, "mlp_bias": False,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0",
+    "use_cache": True, "vocab_size": 320, "some_future_flag": 3,
+}
+
+
+def test_loader_check_reads_only_the_config(tmp_path, capsys):
+    from nanodspark import check
+    d = tmp_path / "llama31"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA31))
+    (d / "model.safetensors").write_bytes(b"")          # listed, never read
+    assert check.main([str(d)]) == 0
+    out = capsys.readouterr().out
+    status = {line.split()[1]: line.split()[0] for line in out.splitlines() if line.startswith("  ")}
+    assert status["rope_scaling"] == status["rope_theta"] == status["mlp_bias"] == "honoured"
+    assert status["pretraining_tp"] == status["use_cache"] == status["bos_token_id"] == "ignored"
+    assert status["some_future_flag"] == "unknown"
+    assert "rope: llama3, theta 500000" in out and "OK: loadable" in out
+    # refused: a RoPE type we do not implement, and the sliding flags Llama ignores are said so
+    (d / "config.json").write_text(json.dumps({**LLAMA31, "use_sliding_window": True, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}))
+    assert check.main([str(d)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"refused\s+rope_scaling\s+'longrope' is not supported", out)
+    assert re.search(r"ignored\s+use_sliding_window\s+transformers 5's Llama has no sliding attention", out)
+    assert "REFUSED" in out
+
+
+@pytest.mark.parametrize("extra", [{}, {"use_sliding_window": True, "sliding_window": 8},
+                                   {"rope_scaling": {"rope_type": "su"}}, {"hidden_act": "relu"},
+                                   {"layer_types": [S_] * 4, "use_sliding_window": True}])
+def test_loader_check_agrees_with_the_load(extra):
+    d = dict(TINY, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], **extra)
+    report = check_config(d)
+    try:
+        ModelConfig.from_dict(d)
+        loads = True
+    except ValueError:
+        loads = False
+    assert report.ok == loads
+    if extra.get("sliding_window") and "layer_types" not in extra:
+        assert "4 of 4 layers sliding" in report.format()       # the issue's case, said before loading
