@@ -32,31 +32,27 @@ def cost_table(tmp_path_factory):
     return str(path)
 
 
-def stops_for(tok, free_text: str, rng: random.Random) -> list[str]:
-    """The issue's stop (" a") and pieces of the free-running text that end mid-way through it."""
-    cands = [" a"]
-    for _ in range(1):
-        i = rng.randrange(1, max(2, len(free_text) - 4))
-        cands.append(free_text[i:i + rng.randint(1, 4)])
-    return [s for s in cands if s.strip(" ") or s == " "]
-
-
-def cases(target_only):
-    """(prompt, params, free token ids) for every prompt and stop: greedy, ignore_eos."""
+@pytest.fixture(scope="module")
+def reference(target_only):
+    """(cases, target-only outputs): per prompt, the issue's stop (" a") and a piece of the
+    free-running text, so that stops complete at varied places; greedy, ignore_eos. A case is
+    (prompt, params, the free-running token ids)."""
     rng = random.Random(0)
     free = target_only.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    out = []
+    cases = []
     for p, f in zip(PROMPTS, free):
-        for stop in stops_for(target_only.tokenizer, f.text, rng):
-            out.append((p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]), f.token_ids))
-    return out
+        i = rng.randrange(1, max(2, len(f.text) - 4))
+        for stop in {" a", f.text[i:i + rng.randint(1, 4)]}:
+            if stop.strip(" ") or stop == " ":
+                cases.append((p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]), f.token_ids))
+    cases.sort(key=lambda c: (PROMPTS.index(c[0]), c[1].stop != [" a"]))   # the issue's repro first
+    return cases, target_only.generate([c[0] for c in cases], [c[1] for c in cases])
 
 
-def test_target_only_keeps_the_token_that_completes_the_stop(target_only):
+def test_target_only_keeps_the_token_that_completes_the_stop(target_only, reference):
     """The reference itself: token_ids end at the first token whose text completes the stop."""
     tok = target_only.tokenizer
-    cs = cases(target_only)
-    got = target_only.generate([c[0] for c in cs], [c[1] for c in cs])
+    cs, got = reference
     stopped = 0
     for (prompt, params, free_ids), g in zip(cs, got):
         stop = params.stop[0]
@@ -72,14 +68,13 @@ def test_target_only_keeps_the_token_that_completes_the_stop(target_only):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_speculative_stops_where_target_only_stops(target_only, cost_table, mode):
+def test_speculative_stops_where_target_only_stops(reference, cost_table, mode):
     """Token ids, text, finish reason and usage equal target-only decoding, in every verify mode;
     streamed token ids and text add up to the same. Fails on the old code: the accepted drafts
     after the stop stayed in `token_ids` (the issue's repro is the first case)."""
     spec = LLM(use_tqdm=False, verify_mode=mode, cost_table=cost_table, dtype="float32", device="cpu")
     assert spec.engine.spec is not None
-    cs = cases(target_only)
-    want = target_only.generate([c[0] for c in cs], [c[1] for c in cs])
+    cs, want = reference
     got = spec.generate([c[0] for c in cs], [c[1] for c in cs])
     verified, drafted = sum(g.spec["verified"] for g in got), sum(g.spec["drafted"] for g in got)
     assert sum(g.spec["accepted"] for g in got) > 0
