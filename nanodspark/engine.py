@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import EngineConfig
-from .detokenizer import detokenize
+from .detokenizer import commit_text
 from .device_state import DeviceState, StateWrites
 from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache, ops_for
@@ -146,6 +146,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_id) if (model_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        mc.check_max_model_len(self.max_model_len)      # dynamic RoPE: exact only up to max_position_embeddings
         self.backend = cfg.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
@@ -442,9 +443,9 @@ class LLMEngine:
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 bm.commit(t, req.ids(start, req.num_computed), start)
-        delta, stop_hit = detokenize(self.tokenizer, req, accepted, final=reason is not None)
-        if stop_hit:
-            reason = "stop"
+        delta, stop_hit, keep = commit_text(self.tokenizer, req, accepted, final=reason is not None)
+        if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from output_ids
+            reason, accepted = "stop", accepted[:keep]
         if reason:
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),

@@ -11,6 +11,9 @@ Invariants: every parameter of the model is filled exactly once, with the right 
 loading fails with a message naming the tensor; pickle (`.bin`, `.pt`) is never read.
 Tokenizer: `tokenizer.json` through the `tokenizers` library, ChatML chat formatting, and the
 set of ids that end a generation.
+
+Check: `check_checkpoint(dir)` (command line: `python -m nanodspark.check DIR`) reads only
+`config.json` and says which fields are honoured, ignored or refused (`config.check_config`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import ConfigCheck, ModelConfig, check_config
 from .model import CausalLM
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
@@ -292,3 +295,20 @@ class Tokenizer:
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- the loader check
+def check_checkpoint(path: str | Path) -> ConfigCheck:
+    """Read only `config.json` (and list the weight files): what would load, what is refused."""
+    model_dir = resolve_model_dir(path)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    report = check_config(json.loads(cfg_path.read_text()))
+    try:
+        files = safetensor_files(model_dir)
+        report.rows.append(("(weights)", "honoured", f"{len(files)} safetensors file(s), not read by the check"))
+    except CheckpointError as e:
+        report.rows.append(("(weights)", "refused", str(e)))
+    return report
+

@@ -24,6 +24,7 @@ Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,12 +49,96 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables `[T, head_dim]` for the rotate-half RoPE layout, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+class RotaryEmbedding:
+    """A config's RoPE, computed once: inverse frequencies (fp32) and the scale of cos/sin.
+
+    Types as in transformers 5 (`ModelConfig.rope_type`; the formulas of its RoPE utilities):
+    default; linear (positions divided by `factor`); dynamic (NTK: plain RoPE up to
+    max_position_embeddings, the only range served, `ModelConfig.check_max_model_len`); llama3
+    (low frequencies divided by `factor`, high ones kept, a smooth ramp between, by wavelength
+    against the original context); yarn (per-frequency blend of interpolation and extrapolation
+    over a ramp set by beta_fast/beta_slow, and cos/sin scaled by its attention factor, mscale).
+    None of them depends on the positions, so a forward only multiplies positions by a cached
+    tensor: no host sync, nothing recomputed (CUDA-graph safe once a first, eager forward has put
+    the table on the device).
+    """
+
+    def __init__(self, head_dim: int, theta: float, rope_type: str = "default", params: dict | None = None):
+        p = params or {}
+        # explicit device: models are built under torch.device("meta") by the loader
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        scale = 1.0
+        if rope_type == "linear":
+            inv_freq = inv_freq / p["factor"]
+        elif rope_type == "llama3":
+            factor, lo, hi, old = (p[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"))
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+            inv_freq = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        elif rope_type == "yarn":
+            inv_freq, scale = _yarn(head_dim, theta, p)
+        elif rope_type not in ("default", "dynamic"):
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        self.inv_freq, self.attention_scaling = inv_freq, float(scale)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        t = self._on_device.get(device)
+        if t is None:
+            t = self._on_device[device] = self.inv_freq.to(device)
+        return t
+
+
+def _yarn(dim: int, theta: float, p: dict) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies and attention factor (transformers' `_compute_yarn_parameters`)."""
+    factor, old = p["factor"], p["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):   # the dimension whose wavelength makes `rotations` turns in `old`
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, attn
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 rope: RotaryEmbedding | None = None):
+    """cos/sin tables `[T, head_dim]` for the rotate-half RoPE layout, computed in fp32.
+
+    rope: a model's `RotaryEmbedding` (scaled frequencies and cos/sin scale, precomputed); None
+    = plain RoPE of `theta` (the drafter). Device work only: positions never leave the device."""
+    if rope is None:
+        inv_freq, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                                        dtype=torch.float32) / head_dim)), 1.0
+    else:
+        inv_freq, scale = rope.inv_freq_on(positions.device), rope.attention_scaling
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -260,6 +345,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
+        self.rotary = RotaryEmbedding.from_config(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -267,7 +353,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
                 capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype, self.rotary)
         captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, ctx)
