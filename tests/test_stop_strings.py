@@ -73,7 +73,7 @@ def test_speculative_stops_where_target_only_stops(reference, cost_table, mode):
     streamed token ids and text add up to the same. Fails on the old code: the accepted drafts
     after the stop stayed in `token_ids` (the issue's repro is the first case)."""
     spec = LLM(use_tqdm=False, verify_mode=mode, cost_table=cost_table, dtype="float32", device="cpu")
-    assert spec.engine.spec is not None
+    assert spec.engine.drafter is not None
     cs, want = reference
     got = spec.generate([c[0] for c in cs], [c[1] for c in cs])
     verified, drafted = sum(g.spec["verified"] for g in got), sum(g.spec["drafted"] for g in got)
@@ -101,7 +101,7 @@ def test_commit_text_in_chunks_equals_one_token_per_step():
     streams = [tok.encode(text * 2)] + [[rng.randrange(13, 8192) for _ in range(50)] for _ in range(10)]
 
     def run(ids, stop, chunker):
-        req = Request("r", [1], SamplingParams(stop=stop), torch.Generator())
+        req = Request("r", [1], SamplingParams(stop=stop), 0, 10**6)
         pieces, i = [], 0
         while i < len(ids):
             new = ids[i:i + chunker()]
