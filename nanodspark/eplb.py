@@ -10,11 +10,11 @@ The problem
     ranks so that every rank gets about the same load.
 
 The three parts of this file
-    1. The recorder (`LoadRecorder`). Every MoE layer scatter-adds the tokens routed to each
-       physical slot into `load[layer]` (model.py, `MoE.forward`), on the device: no host sync,
-       so it runs inside the captured decode graphs. Rows past `cu_seqlens_q[-1]` (the padding
-       of a graph tier) are not counted: they are computed, but they are not traffic. Once per
-       engine step, between steps and outside any graph, `advance()` moves the running count
+    1. The recorder (`LoadRecorder`). Every MoE layer adds the tokens routed to each physical
+       slot into `load[layer]` (`ReplicaMap`, which model.py `MoE.forward` calls), on the
+       device: no host sync, so it runs inside the captured decode graphs. Rows past
+       `cu_seqlens_q[-1]` (the padding of a graph tier) are not counted: they are computed,
+       but they are not traffic. Once per engine step, between steps and outside any graph, `advance()` moves the running count
        into a ring buffer of the last `window` steps and zeroes it (two in-place device ops and
        an add, no sync). That is how step boundaries are marked. With the overlapped loop, a
        step is committed after the next one was launched, so a snapshot holds the forwards
@@ -48,11 +48,11 @@ The three parts of this file
        in flight, so that step finishes on the old placement and the next one starts on the
        new one; no request is paused for longer than the move.
 
-Routing to replicas (`ReplicaMap.pick`): token row t of a forward sends its pair with logical
-expert e to replica `(t + step) mod logcnt[e]` of e, slot `log2phy[e, that replica]`, where
-`step` is a device counter the recorder advances once per engine step. The rule is
-deterministic, spreads a batch's tokens evenly over the replicas, and, because `step` moves,
-also spreads a batch of one token over the steps.
+Routing to replicas (`ReplicaMap`, one Triton launch per layer on CUDA: kernels/replicas.py):
+token row t of a forward sends its pair with logical expert e to replica `(t + step) mod
+logcnt[e]` of e, slot `log2phy[e, that replica]`, where `step` is a device counter advanced
+once per engine step. The rule is deterministic, spreads a batch's tokens evenly over the
+replicas, and, because `step` moves, also spreads a batch of one token over the steps.
 
 Balancedness (`balance_stats`): per layer, `mean_r(load_r) / max_r(load_r)` over the ranks r
 (1.0 = perfect), then the mean over layers (the ratio first, then the average: vLLM's first
@@ -355,19 +355,23 @@ class LoadRecorder:
 
 # ----------------------------------------------------------------------------- 3. the forward's map and the move
 class ReplicaMap:
-    """What one MoE layer's forward reads to send (token, logical expert) to a slot. Fixed
-    shapes, updated in place only: `log2phy [N, 1 + num_redundant]` (-1 padded), `logcnt [N]`,
-    and `step`, a device counter shared by the layers."""
+    """What one MoE layer's forward reads to send (token, logical expert) to a slot and count
+    it. Fixed shapes, updated in place only: `log2phy [N, 1 + num_redundant]` (-1 padded),
+    `logcnt [N]`, `step` (a device counter shared by the layers) and `load [P]` (this layer's
+    row of the recorder)."""
 
-    def __init__(self, log2phy: torch.Tensor, logcnt: torch.Tensor, step: torch.Tensor):
-        self.log2phy, self.logcnt, self.step = log2phy, logcnt, step
+    def __init__(self, log2phy: torch.Tensor, logcnt: torch.Tensor, step: torch.Tensor, load: torch.Tensor,
+                 record: bool = True):
+        self.log2phy, self.logcnt, self.step, self.load, self.record = log2phy, logcnt, step, load, record
 
-    def pick(self, ids: torch.Tensor) -> torch.Tensor:
-        """Physical slot of each (token, logical expert) of `ids [T, k]`: replica
-        (t + step) mod logcnt[e] of expert e."""
-        row = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        replica = (row + self.step) % self.logcnt[ids]
-        return self.log2phy[ids, replica]
+    def __call__(self, ids: torch.Tensor, ctx=None) -> torch.Tensor:
+        """Physical slot of each (token, expert) of `ids [T, k]`: replica (t + step) mod
+        logcnt[e] of expert e; with `record`, the pairs of rows below `ctx.cu_seqlens_q[-1]`
+        are counted into `load`. One Triton launch on CUDA (kernels/replicas.py)."""
+        from kernels.replicas import map_to_replicas, map_to_replicas_ref
+        fn = map_to_replicas if ids.is_cuda else map_to_replicas_ref
+        return fn(ids, self.log2phy, self.logcnt, self.step, getattr(ctx, "cu_seqlens_q", None),
+                  self.load if self.record else None)
 
     def update(self, log2phy: torch.Tensor, logcnt: torch.Tensor) -> None:
         self.log2phy.fill_(-1)
@@ -412,10 +416,11 @@ class ExpertBalancer:
                     w = getattr(ex, name)
                     setattr(ex, name, torch.nn.Parameter(w[self.phy2log[l].to(w.device)].contiguous(),
                                                          requires_grad=False))
-                m = ReplicaMap(log2phy[l].to(self.device), logcnt[l].to(self.device), self.step)
+                m = ReplicaMap(log2phy[l].to(self.device), logcnt[l].to(self.device), self.step,
+                               self.recorder.load[l], cfg.eplb_record)
                 self.maps.append(m)
                 moe.replicas = m
-                moe.expert_load = self.recorder.load[l]
+                moe.expert_load = m.load          # the layer's counts, per physical slot
                 moe.record_load = cfg.eplb_record
         g = self.moes[0].experts.gate_proj
         self.staging = torch.empty(g.numel(), dtype=g.dtype, device=g.device)   # one layer's weights

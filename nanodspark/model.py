@@ -251,9 +251,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Softmax router, top-k experts, optional renormalisation of the top-k weights.
 
-    With EPLB (eplb.py) `replicas` maps the router's logical ids to physical expert slots;
-    without, slot e is expert e. `expert_load` counts the (token, expert) pairs per slot of
-    the forward's real rows (graph padding past `cu_seqlens_q[-1]` is not traffic)."""
+    With EPLB (eplb.py) `replicas` maps the router's logical ids to physical expert slots and
+    counts the pairs per slot into `expert_load`; without, slot e is expert e."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -277,14 +276,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         weights, ids = self.route(x, ctx.ops)
-        if self.replicas is not None:    # EPLB: each (token, expert) to one replica's slot
-            ids = self.replicas.pick(ids)
-        if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
+        if self.replicas is not None:    # EPLB: each (token, expert) to a replica's slot, counted there
+            ids = self.replicas(ids, ctx)
+        elif self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
-            real = getattr(ctx, "cu_seqlens_q", None)     # rows past the last request's are padding
-            ones = torch.ones_like(flat) if real is None else (
-                torch.arange(flat.numel(), device=flat.device) < real[-1] * ids.shape[1]).long()
-            self.expert_load.scatter_add_(0, flat, ones)
+            self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         if self.ep is not None:
             ids, weights = self.ep.localize(ids, weights)
         w = self.experts
