@@ -317,8 +317,8 @@ def trivial_placement(num_layers: int, num_logical: int, num_physical: int) -> t
 class LoadRecorder:
     """Tokens per physical slot per step, for the last `window` steps, on the device.
 
-    `load[L, P]` is the running count the MoE layers scatter-add into (layer l holds the view
-    `load[l]` as its `expert_load`); `advance()` closes a step: the count goes into the ring
+    `load[L, P]` is the running count the MoE layers add into (layer l's `ReplicaMap` holds the
+    view `load[l]`, which is also the layer's `expert_load`); `advance()` closes a step: the count goes into the ring
     `window[W, L, P]`, `total` keeps the window's sum, the count restarts from zero."""
 
     def __init__(self, num_layers: int, num_physical: int, window: int, device):
@@ -363,19 +363,22 @@ class ReplicaMap:
     def __init__(self, log2phy: torch.Tensor, logcnt: torch.Tensor, step: torch.Tensor, load: torch.Tensor,
                  record: bool = True):
         self.log2phy, self.logcnt, self.step, self.load, self.record = log2phy, logcnt, step, load, record
+        if log2phy.is_cuda:         # one Triton launch per layer (kernels/replicas.py)
+            from kernels.replicas import map_to_replicas as fn
+        else:                       # its PyTorch reference
+            from kernels.replicas import map_to_replicas_ref as fn
+        self._map = fn
 
     def __call__(self, ids: torch.Tensor, ctx=None) -> torch.Tensor:
         """Physical slot of each (token, expert) of `ids [T, k]`: replica (t + step) mod
         logcnt[e] of expert e; with `record`, the pairs of rows below `ctx.cu_seqlens_q[-1]`
-        are counted into `load`. One Triton launch on CUDA (kernels/replicas.py)."""
-        from kernels.replicas import map_to_replicas, map_to_replicas_ref
-        fn = map_to_replicas if ids.is_cuda else map_to_replicas_ref
-        return fn(ids, self.log2phy, self.logcnt, self.step, getattr(ctx, "cu_seqlens_q", None),
-                  self.load if self.record else None)
+        are counted into `load` (every row without a `cu_seqlens_q`)."""
+        return self._map(ids, self.log2phy, self.logcnt, self.step, getattr(ctx, "cu_seqlens_q", None),
+                         self.load if self.record else None)
 
     def update(self, log2phy: torch.Tensor, logcnt: torch.Tensor) -> None:
-        self.log2phy.fill_(-1)
-        self.log2phy[:, :log2phy.shape[1]].copy_(log2phy)
+        """A new placement, written into the same tensors (a graph holds their addresses)."""
+        self.log2phy.copy_(log2phy)
         self.logcnt.copy_(logcnt)
 
 
@@ -441,11 +444,14 @@ class ExpertBalancer:
 
     # -- the move -------------------------------------------------------------------------
     @torch.no_grad()
-    def rebalance(self) -> dict:
+    def rebalance(self) -> dict | None:
         """A new placement from the window, moved into place between two steps. Returns the
-        record appended to `rebalances` (times, slots moved, balance before and predicted after)."""
+        record appended to `rebalances` (times, slots moved, balance before and predicted
+        after), or None when the window saw no token."""
         t0 = time.perf_counter()
         slot_load = self.recorder.total.to("cpu", copy=True)      # waits for the step in flight
+        if not int(slot_load.sum()):
+            return None                                           # no traffic in the window: keep the placement
         t_read = time.perf_counter()
         logical = fold_to_logical(slot_load, self.phy2log, self.num_logical)
         new_p2l, _, _ = rebalance_experts(logical, self.num_physical, self.num_groups, self.num_nodes,

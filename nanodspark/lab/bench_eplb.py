@@ -30,9 +30,11 @@ the modelled MoE time `sum over steps and layers of max_r load_r` against `mean_
 Part 2, the running engine (default target; CUDA graphs and the overlapped loop on a GPU):
 greedy output with rebalancing every `--engine-interval` steps (8 redundant slots, EP 4)
 against the engine without EPLB (must be identical), the wall time of each rebalance (read the
-window, place, move the weights, synchronise), and the decode step time of the engine without
-EPLB, with replica mapping only (`eplb_record=False`) and with mapping + recording, over
-`--engine-repeats` interleaved runs (medians): the overhead of recording as a share of a step.
+window, place, move the weights, synchronise), and the decode step time (the steps after every
+request has been prefilled; recorder's `advance` included) of the engine without EPLB, with
+replica mapping only (`eplb_record=False`) and with mapping + recording (no redundant slot),
+over `--engine-repeats` interleaved runs in a rotating order (medians): the overhead of
+recording as a share of a decode step, and of EPLB's forward hooks in all.
 
 JSON: hardware, versions, the exact command, every row. `--quick` is the bounded version
 (< 60 s on an H200); the test suite runs it on a tiny model on the CPU.
@@ -147,19 +149,28 @@ def placement_rows(source: str, steps: torch.Tensor, args) -> list[dict]:
     return rows
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def max_seqs(args) -> int:
+    return max(args.prompts, args.engine_prompts)
+
+
 def make_llm(args, **kw):
     from .. import LLM
     cfg = dict(use_tqdm=False, kv_cache_memory_gb=args.kv_gb, graph_batch_sizes=GRAPH_BATCH_SIZES,
-               max_num_batched_tokens=4096)
+               max_num_batched_tokens=4096, enable_prefix_cache=False)
     cfg.update(kw)
     return LLM(args.model, **cfg)
 
 
-def record_default_target(args) -> dict[str, torch.Tensor]:
-    """Per-step logical load [steps, L, N] of the default target serving each workload."""
+def record_default_target(args, llm) -> dict[str, torch.Tensor]:
+    """Per-step logical load [steps, L, N] of the default target serving each workload, on an
+    engine with the recorder on and no redundant slot (slot e = expert e)."""
     from .. import SamplingParams
     from .bench_engine import bench_prompts
-    llm = make_llm(args, eplb=True, eplb_interval=0, eplb_window=100_000, max_num_seqs=args.prompts)
     bal, tok = llm.engine.eplb, llm.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out = {}
@@ -172,7 +183,7 @@ def record_default_target(args) -> dict[str, torch.Tensor]:
         out[w] = bal.recorder.per_step().clone()          # R = 0, trivial placement: slot e = expert e
         print(f"recorded default:{w}: {out[w].shape[0]} steps, {int(out[w].sum())} (token, expert) pairs",
               flush=True)
-    del llm
+    bal.recorder.reset()
     return out
 
 
@@ -184,7 +195,12 @@ def qwen_stack_routing(args, device) -> tuple[torch.Tensor, dict]:
     E, K = QWEN3_30B_A3B_MOE["num_experts"], QWEN3_30B_A3B_MOE["top_k"]
     H, I, L = args.qwen_hidden, args.qwen_intermediate, args.qwen_layers
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(1234)                 # the biases, the permutations, the lift
+    dgen = torch.Generator(device).manual_seed(1234)          # the weights, drawn where they live
+
+    def randn(*shape, fan_in):
+        return (torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32) / math.sqrt(fan_in)).to(dtype)
+
     # the text: the default target's tokenizer and token embedding (real, trained), lifted to H
     default_dir = resolve_model_dir(None)
     emb = load_model(default_dir).model.embed_tokens.weight.detach().float()
@@ -202,11 +218,8 @@ def qwen_stack_routing(args, device) -> tuple[torch.Tensor, dict]:
     for _ in range(L):
         zipf = 1.0 / torch.arange(1, E + 1, dtype=torch.float32)
         bias = args.qwen_skew * torch.log(zipf / zipf.sum())[torch.randperm(E, generator=gen)]
-        layers.append(dict(
-            router=(torch.randn(E, H, generator=gen) / math.sqrt(H)).to(device, dtype), bias=bias.to(device),
-            gate=(torch.randn(E, I, H, generator=gen) / math.sqrt(H)).to(device, dtype),
-            up=(torch.randn(E, I, H, generator=gen) / math.sqrt(H)).to(device, dtype),
-            down=(torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to(device, dtype)))
+        layers.append(dict(router=randn(E, H, fan_in=H), bias=bias.to(device), gate=randn(E, I, H, fan_in=H),
+                           up=randn(E, I, H, fan_in=H), down=randn(E, H, I, fan_in=I)))
     ops = ops_for("triton" if device.type == "cuda" else "torch")
     steps = torch.zeros(args.qwen_steps, L, E, dtype=torch.long)
     with torch.inference_mode():
@@ -231,13 +244,16 @@ def qwen_stack_routing(args, device) -> tuple[torch.Tensor, dict]:
 
 
 # ----------------------------------------------------------------------------- part 2: the engine
-def engine_part(args) -> dict:
+def engine_part(args, recording) -> dict:
+    """`recording`: the engine of part 1 (recorder on, no redundant slot, never rebalances)."""
     from .. import SamplingParams
     from .bench_engine import bench_prompts
     n = args.engine_prompts
     prompts = [p.render() for p in bench_prompts("mix", n, args.data_dir)]
-    base = dict(max_num_seqs=n)
+    base = dict(max_num_seqs=max_seqs(args))
+    t0 = time.perf_counter()
     ref = make_llm(args, **base)
+    init_s = time.perf_counter() - t0
     if ref.tokenizer is None:
         prompts = [[3 + b % 200 for b in p.encode()[:64]] for p in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.engine_max_tokens, ignore_eos=True)
@@ -258,14 +274,14 @@ def engine_part(args) -> dict:
            "moved_slots_median": statistics.median(r["moved_slots"] for r in bal.rebalances) if secs else None,
            "balancedness_before_last": bal.rebalances[-1]["balancedness_before"] if secs else None,
            "balancedness_after_predicted_last": bal.rebalances[-1]["balancedness_after_predicted"] if secs else None,
-           "cuda_graphs": bool(bal_llm.engine.executor.graphs.graphs)}
+           "cuda_graphs": bool(bal_llm.engine.executor.graphs.graphs), "engine_init_s": round(init_s, 2)}
     print(f"engine: greedy identical with rebalancing every {args.engine_interval} steps: {identical}; "
           f"{len(secs)} rebalances, median {out['rebalance_seconds']['median']} s, "
           f"max {out['rebalance_seconds']['max']} s", flush=True)
     del bal_llm
     # overhead: the same decode-heavy traffic on three engines, interleaved, medians
     engines = {"off": ref, "map_only": make_llm(args, eplb=True, eplb_interval=0, eplb_record=False, **base),
-               "map_and_record": make_llm(args, eplb=True, eplb_interval=0, **base)}
+               "map_and_record": recording}
     times = {k: [] for k in engines}
     for e in engines.values():
         e.generate(prompts, greedy)                       # warm-up
@@ -274,16 +290,16 @@ def engine_part(args) -> dict:
         for name in order:
             eng = engines[name].engine
             reqs = [eng.add_request(p, greedy, queue_limit=False) for p in prompts]
-            steps = 0
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            steps, t0 = 0, None
             while eng.has_unfinished():
+                if t0 is None and all(r.is_decoding for r in reqs):   # decode steps only
+                    _sync()
+                    t0 = time.perf_counter()
                 eng.step()
-                steps += 1
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) / steps)
+                steps += t0 is not None
+            _sync()
+            if t0 is not None and steps:
+                times[name].append((time.perf_counter() - t0) / steps)
             for r in reqs:
                 eng.release(r.request_id)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -318,15 +334,28 @@ def run(args) -> dict:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
-    for w, steps in record_default_target(args).items():
+    phases, t = {}, time.perf_counter()
+
+    def lap(name):
+        nonlocal t
+        phases[name] = round(time.perf_counter() - t, 2)
+        t = time.perf_counter()
+
+    recording = make_llm(args, eplb=True, eplb_interval=0, eplb_window=100_000, max_num_seqs=max_seqs(args))
+    lap("engine_init")
+    for w, steps in record_default_target(args, recording).items():
         res["rows"] += placement_rows(f"default:{w}", steps, args)
+    lap("default_target")
     save()
     steps, res["qwen_stack"] = qwen_stack_routing(args, device)
     print(f"recorded qwen3-30b-a3b-shaped:mix: {steps.shape[0]} steps of {args.qwen_tokens_per_step} tokens", flush=True)
     res["rows"] += placement_rows("qwen3-30b-a3b-shaped:mix", steps, args)
+    lap("qwen_stack")
     save()
     if not args.skip_engine:
-        res["engine"] = engine_part(args)
+        res["engine"] = engine_part(args, recording)
+        lap("engine")
+    res["phase_s"] = phases
     save()
     print(markdown(res))
     if args.out:
