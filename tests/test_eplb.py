@@ -209,19 +209,20 @@ def test_recorder_counts_equal_the_routers_own_top_k(tiny_dir):
 
 @pytest.mark.parametrize("record, padded", [(True, True), (True, False), (False, False)])
 def test_replica_kernel_equals_its_reference(record, padded):
-    """kernels/replicas.py (the Triton interpreter on CPU): same slots, same counts."""
+    """kernels/replicas.py (the Triton interpreter on CPU, natively on CUDA): same slots, same counts."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(3)
     N, R, T, k = 16, 8, 37, 4
     phy2log = torch.cat([torch.arange(N), torch.randint(0, N, (R,), generator=gen)])[None]
     from nanodspark.eplb import inverse_map
-    log2phy, logcnt = inverse_map(phy2log, N, width=1 + R)
-    ids = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(T)])
-    step = torch.tensor(5)
-    cu = torch.tensor([0, 10, 30], dtype=torch.int32) if padded else None      # rows 30.. are padding
-    loads = [torch.zeros(N + R, dtype=torch.long) if record else None for _ in range(2)]
-    want = map_to_replicas_ref(ids, log2phy[0], logcnt[0], step, cu, loads[0])
-    got = map_to_replicas(ids, log2phy[0].contiguous(), logcnt[0], step, cu, loads[1])
-    assert torch.equal(got, want) and (phy2log[0][got] == ids).all()
+    log2phy, logcnt = (t[0].to(dev) for t in inverse_map(phy2log, N, width=1 + R))
+    ids = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(T)]).to(dev)
+    step = torch.tensor(5, device=dev)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=dev) if padded else None   # rows 30.. are padding
+    loads = [torch.zeros(N + R, dtype=torch.long, device=dev) if record else None for _ in range(2)]
+    want = map_to_replicas_ref(ids, log2phy, logcnt, step, cu, loads[0])
+    got = map_to_replicas(ids, log2phy, logcnt, step, cu, loads[1])
+    assert torch.equal(got, want) and (phy2log[0].to(dev)[got] == ids).all()
     if record:
         assert torch.equal(loads[0], loads[1]) and loads[1].sum() == (30 if padded else T) * k
 
@@ -296,8 +297,10 @@ def test_metrics_export_the_balance(tiny_dir):
               eplb_num_redundant_experts=2)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     m = Metrics()
-    summary = llm.engine.eplb.summary()
-    summary = summary or llm.engine.eplb.summary()          # the first call queues the host copy
+    llm.engine.eplb.summary()                               # queues a host copy, no sync
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    summary = llm.engine.eplb.summary()                     # ... which has arrived now
     m.set_engine_state(0, 0, llm.engine.kv_usage(), None, summary)
     text = m.render()[0].decode()
     for name in ("nanodspark_eplb_balancedness", "nanodspark_eplb_straggler_factor",
