@@ -14,9 +14,9 @@ The three parts of this file
        slot into `load[layer]` (`ReplicaMap`, which model.py `MoE.forward` calls), on the
        device: no host sync, so it runs inside the captured decode graphs. Rows past
        `cu_seqlens_q[-1]` (the padding of a graph tier) are not counted: they are computed,
-       but they are not traffic. Once per engine step, between steps and outside any graph, `advance()` moves the running count
-       into a ring buffer of the last `window` steps and zeroes it (two in-place device ops and
-       an add, no sync). That is how step boundaries are marked. With the overlapped loop, a
+       but they are not traffic. Once per engine step, between steps and outside any graph,
+       `advance()` moves the running count into a ring buffer of the last `window` steps and
+       zeroes it (in-place device ops, no sync). That is how step boundaries are marked. With the overlapped loop, a
        step is committed after the next one was launched, so a snapshot holds the forwards
        queued since the previous snapshot: the first holds two steps, each later one holds one,
        and no count is lost or counted twice.

@@ -111,12 +111,13 @@ class Metrics:
         self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
                                 buckets=WINDOW_BUCKETS, registry=r)
         # EPLB (eplb.py): balance of the expert load over the simulated EP ranks, last window
-        self.eplb_balancedness = Gauge(p + "eplb_balancedness", "Mean over MoE layers of mean_r(load_r) / max_r(load_r)"
-                                       " over the EP ranks r, in the recorder's window (1 = perfect)", registry=r)
-        self.eplb_straggler = Gauge(p + "eplb_straggler_factor", "Mean over MoE layers of max_r(load_r) / mean_r(load_r)",
-                                    registry=r)
-        self.eplb_layer_balancedness = Gauge(p + "eplb_layer_balancedness", "mean_r / max_r of one MoE layer's rank load",
-                                             ["layer"], registry=r)
+        self.eplb_balancedness = Gauge(p + "eplb_balancedness", "Mean over MoE layers of mean_r(load_r) / "
+                                       "max_r(load_r) over the EP ranks r, in the recorder's window (1 = perfect)",
+                                       registry=r)
+        self.eplb_straggler = Gauge(p + "eplb_straggler_factor",
+                                    "Mean over MoE layers of max_r(load_r) / mean_r(load_r)", registry=r)
+        self.eplb_layer_balancedness = Gauge(p + "eplb_layer_balancedness",
+                                             "mean_r / max_r of one MoE layer's rank load", ["layer"], registry=r)
         self.eplb_rank_load = Gauge(p + "eplb_rank_load_tokens", "(token, expert) pairs routed to the slots of one EP "
                                     "rank in the window, summed over MoE layers", ["rank"], registry=r)
         self.eplb_rebalances = Gauge(p + "eplb_rebalances", "Rebalances of the expert placement so far", registry=r)
