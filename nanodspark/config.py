@@ -419,7 +419,7 @@ class EngineConfig:
     eplb_interval: int = 1000             # engine steps between rebalances; 0 = record only, never move
     eplb_window: int = 1000               # steps of load a placement is computed from (a ring buffer)
     eplb_num_redundant_experts: int = 0   # extra expert slots per MoE layer, for replicas of hot experts
-    eplb_policy: str = "auto"             # "auto" (hierarchical if groups % nodes == 0) | "hierarchical" | "global"
+    eplb_policy: str = "auto"             # "auto" (hierarchical when the groups divide over the nodes) | "hierarchical" | "global"
     eplb_ep_size: int = 1                 # simulated EP ranks: the slots cut into this many equal groups
     eplb_num_groups: int = 1              # expert groups of group-limited routing (hierarchical policy)
     eplb_num_nodes: int = 1               # nodes the ranks are spread over (hierarchical policy)
@@ -462,3 +462,6 @@ class EngineConfig:
             raise ValueError(f"eplb_policy must be auto, hierarchical or global, not {self.eplb_policy!r}")
         if self.eplb and self.eplb_interval and not self.eplb_record:
             raise ValueError("rebalancing (eplb_interval > 0) needs the recorder (eplb_record=True)")
+        if self.eplb and self.tensor_parallel_size > 1:
+            raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
+                             "tensor_parallel_size > 1 yet")

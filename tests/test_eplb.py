@@ -132,6 +132,8 @@ def test_engine_config_and_balancer_refuse_bad_eplb_settings(tiny_dir):
         EngineConfig(eplb_policy="nope")
     with pytest.raises(ValueError, match="needs the recorder"):
         EngineConfig(eplb=True, eplb_record=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineConfig(eplb=True, tensor_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match="multiple of the EP size"):
         LLM(str(tiny_dir), eplb=True, eplb_ep_size=3, use_tqdm=False)
     with pytest.raises(ValueError, match="num_groups=4 is not divisible by num_nodes=3"):
