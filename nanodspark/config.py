@@ -414,6 +414,16 @@ class EngineConfig:
     expert_parallel_size: int = 1         # expert groups among those processes for MoE layers (divides the TP size)
     dist_backend: str = "auto"            # "auto" = nccl on cuda, gloo on cpu
     dist_timeout_s: float = 120.0         # a collective, or a worker, silent this long is an error
+    # --- EPLB (eplb.py, walkthrough 12): expert load recorder, redundant experts, rebalancing ---
+    eplb: bool = False                    # record expert load per slot and rebalance replicas (MoE targets only)
+    eplb_interval: int = 1000             # engine steps between rebalances; 0 = record only, never move
+    eplb_window: int = 1000               # steps of load a placement is computed from (a ring buffer)
+    eplb_num_redundant_experts: int = 0   # extra expert slots per MoE layer, for replicas of hot experts
+    eplb_policy: str = "auto"             # "auto" (hierarchical when the groups divide over the nodes) | "hierarchical" | "global"
+    eplb_ep_size: int = 1                 # simulated EP ranks: the slots cut into this many equal groups
+    eplb_num_groups: int = 1              # expert groups of group-limited routing (hierarchical policy)
+    eplb_num_nodes: int = 1               # nodes the ranks are spread over (hierarchical policy)
+    eplb_record: bool = True              # count tokens per slot (False: map to replicas only; a benchmark's control)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -444,3 +454,14 @@ class EngineConfig:
                              "parallel size must divide the tensor parallel size")
         if self.dist_backend not in ("auto", "gloo", "nccl") or self.dist_timeout_s <= 0:
             raise ValueError("dist_backend must be auto, gloo or nccl, and dist_timeout_s positive")
+        if self.eplb_interval < 0 or self.eplb_window < 1 or self.eplb_num_redundant_experts < 0:
+            raise ValueError("eplb_interval must be >= 0, eplb_window >= 1 and eplb_num_redundant_experts >= 0")
+        if min(self.eplb_ep_size, self.eplb_num_groups, self.eplb_num_nodes) < 1:
+            raise ValueError("eplb_ep_size, eplb_num_groups and eplb_num_nodes must be positive")
+        if self.eplb_policy not in ("auto", "hierarchical", "global"):
+            raise ValueError(f"eplb_policy must be auto, hierarchical or global, not {self.eplb_policy!r}")
+        if self.eplb and self.eplb_interval and not self.eplb_record:
+            raise ValueError("rebalancing (eplb_interval > 0) needs the recorder (eplb_record=True)")
+        if self.eplb and self.tensor_parallel_size > 1:
+            raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
+                             "tensor_parallel_size > 1 yet")

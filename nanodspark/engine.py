@@ -161,6 +161,10 @@ class LLMEngine:
             self.model.fuse()
             if drafter is not None:
                 drafter.fuse()
+        self.eplb = None                      # expert load balancing (eplb.py): widens the MoE layers
+        if cfg.eplb:                          # before anything captures them
+            from .eplb import ExpertBalancer
+            self.eplb = ExpertBalancer(self.model, cfg, self.device)
         num_blocks = self._num_kv_blocks(drafter)
         if parallel is not None:              # rank 0 allocates blocks every rank must have
             num_blocks = parallel.min_int(num_blocks)
@@ -403,7 +407,7 @@ class LLMEngine:
 
     @property
     def observers(self) -> list:
-        return [o for o in (self.windows, self.metrics, *self.extra_observers) if o is not None]
+        return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
     def _count(self, req: Request, v) -> None:
         s = req.spec

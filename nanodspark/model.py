@@ -16,8 +16,10 @@ RMSNorm; LM head (tied or not). Per-layer attention type comes from `layer_types
 (`full_attention` / `sliding_attention`).
 
 Invariants. The MoE experts of a layer are stored stacked (`[E, out, in]`); the loader maps
-them to and from the per-expert Hugging Face keys. `MoE.expert_load` counts tokens routed to
-each expert while `record_load` is on (EPLB reads it). No module-level mutable state.
+them to and from the per-expert Hugging Face keys. EPLB (eplb.py) may widen a layer to more
+expert slots than logical experts (replicas of hot experts) and give it a `ReplicaMap` that
+sends each (token, expert) to one replica's slot; `MoE.expert_load` counts the tokens routed
+to each slot while `record_load` is on. No module-level mutable state.
 Tensor parallel (distributed.py): the loader gives the modules local shapes; the forward sums
 partial outputs with `tp_reduce` after o_proj, down_proj and the MoE, over `ctx.tp`.
 Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
@@ -233,7 +235,9 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked: gate/up `[E, I, H]`, down `[E, H, I]`."""
+    """E SwiGLU experts stored stacked: gate/up `[E, I, H]`, down `[E, H, I]`. Row e is expert
+    slot e: the logical expert e, or, once EPLB has widened the layer, whichever replica the
+    placement put there (eplb.py)."""
 
     def __init__(self, n: int, hidden: int, inter: int):
         super().__init__()
@@ -245,7 +249,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k experts, optional renormalisation of the top-k weights."""
+    """Softmax router, top-k experts, optional renormalisation of the top-k weights.
+
+    With EPLB (eplb.py) `replicas` maps the router's logical ids to physical expert slots and
+    counts the pairs per slot into `expert_load`; without, slot e is expert e."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -255,6 +262,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.record_load = False
         self.ep = None            # expert parallel: this rank's ExpertShard (distributed.py)
+        self.replicas = None      # EPLB: an eplb.ReplicaMap, logical expert -> physical slot (None: identity)
 
     def route(self, x: torch.Tensor, ops: "Ops | None" = None):
         if ops is not None and ops.route_topk is not None:    # the same, fused (kernels/moe.py)
@@ -268,7 +276,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         weights, ids = self.route(x, ctx.ops)
-        if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
+        if self.replicas is not None:    # EPLB: each (token, expert) to a replica's slot, counted there
+            ids = self.replicas(ids, ctx)
+        elif self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         if self.ep is not None:

@@ -539,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_kernels_table)
 
     from . import bench_engine as be  # engine-level benchmarks live in their own files
+    from . import bench_eplb as bl
     from . import bench_profile as bp
     from . import bench_speed as bsp
     from . import bench_tp as btp
@@ -556,7 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,
              be.pareto),
             ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,
-             be.dspark_table)):
+             be.dspark_table),
+            ("eplb", "expert load balance on recorded routing, simulated EP 4/8, rebalancing a running engine",
+             bl.add_eplb_args, bl.run)):
         sp = sub.add_parser(name, help=helptext)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0

@@ -204,7 +204,8 @@ class EngineLoop:
     def _publish_state(self) -> None:
         s = self.engine.scheduler
         spec = self.engine.metrics.summary() if self.engine.metrics is not None else None
-        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec)
+        eplb = self.engine.eplb.summary() if self.engine.eplb is not None else None   # no sync
+        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec, eplb)
 
     def _fail_all(self, err: APIError) -> None:
         for rid, h in list(self._handles.items()):

@@ -110,6 +110,19 @@ class Metrics:
         self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
         self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
                                 buckets=WINDOW_BUCKETS, registry=r)
+        # EPLB (eplb.py): balance of the expert load over the simulated EP ranks, last window
+        self.eplb_balancedness = Gauge(p + "eplb_balancedness", "Mean over MoE layers of mean_r(load_r) / "
+                                       "max_r(load_r) over the EP ranks r, in the recorder's window (1 = perfect)",
+                                       registry=r)
+        self.eplb_straggler = Gauge(p + "eplb_straggler_factor",
+                                    "Mean over MoE layers of max_r(load_r) / mean_r(load_r)", registry=r)
+        self.eplb_layer_balancedness = Gauge(p + "eplb_layer_balancedness",
+                                             "mean_r / max_r of one MoE layer's rank load", ["layer"], registry=r)
+        self.eplb_rank_load = Gauge(p + "eplb_rank_load_tokens", "(token, expert) pairs routed to the slots of one EP "
+                                    "rank in the window, summed over MoE layers", ["rank"], registry=r)
+        self.eplb_rebalances = Gauge(p + "eplb_rebalances", "Rebalances of the expert placement so far", registry=r)
+        self.eplb_rebalance_seconds = Gauge(p + "eplb_last_rebalance_seconds", "Wall time of the last rebalance "
+                                            "(read the window, place, move the weights)", registry=r)
         self._tau_committed = 0
         self._tau_steps = 0
         self._live: dict[str, _Track] = {}
@@ -173,11 +186,13 @@ class Metrics:
         self._live.pop(request_id, None)
 
     def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict,
-                         spec_summary: dict | None = None) -> None:
+                         spec_summary: dict | None = None, eplb_summary: dict | None = None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         if spec_summary:
             self._set_spec_summary(spec_summary)
+        if eplb_summary:
+            self._set_eplb_summary(eplb_summary)
         for group, u in kv_usage.items():
             self.kv_blocks.labels(group, "used").set(u["used"])
             self.kv_blocks.labels(group, "free").set(u["free"])
@@ -201,3 +216,19 @@ class Metrics:
             v = summary.get(f"step_time_{kind}_s")
             if v is not None:
                 self.step_time.labels(kind).set(v)
+
+    def _set_eplb_summary(self, summary: dict) -> None:
+        """Expert load balance (ExpertBalancer.summary): per-layer and mean balancedness, the
+        straggler factor, per-rank load, and the rebalances so far."""
+        if summary.get("balancedness") is not None:
+            self.eplb_balancedness.set(summary["balancedness"])
+            self.eplb_straggler.set(summary["straggler"])
+        for layer, b in enumerate(summary.get("balancedness_per_layer") or []):
+            if b is not None:
+                self.eplb_layer_balancedness.labels(str(layer)).set(b)
+        for rank, load in enumerate(summary.get("rank_load") or []):
+            self.eplb_rank_load.labels(str(rank)).set(load)
+        self.eplb_rebalances.set(summary.get("rebalances", 0))
+        last = summary.get("last_rebalance")
+        if last:
+            self.eplb_rebalance_seconds.set(last["seconds"])
