@@ -332,8 +332,14 @@ def task_text(u: Unit, student: Path) -> str:
              f"Read {u.chapter} (its Task section names this unit), then fill in the regions below,",
              "each between its `# BEGIN STUDENT` and `# END STUDENT` lines. Keep every name the",
              "starter already has: the tests and the engine call them.", ""]
+    where = {}                                   # the BEGIN lines of the starter, file by file
+    for f in sorted({r.path for r in regions}):
+        where[f] = [i for i, line in enumerate(starter_text(f, u.name).splitlines(), 1)
+                    if (m := BEGIN.match(line)) and m.group("unit") == u.name]
+    seen: dict[str, int] = {}
     for r in regions:
-        lines.append(f"* `{r.path}` (line {r.begin}): {r.hint}")
+        k = seen[r.path] = seen.get(r.path, -1) + 1
+        lines.append(f"* `{r.path}` (line {where[r.path][k]}): {r.hint}")
     lines += ["", "Test your work (the engine runs your code in place of the reference's):", "",
               f"    python -m nanodspark.lab.course test {u.name} --student {student}", "",
               "and see the score:", "",
@@ -422,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("unit")
     t.add_argument("--student", metavar="DIR")
     t.add_argument("--quick", action="store_true", help="only the unit's quick tests")
-    t.add_argument("pytest_args", nargs="*", help="after `--`: more pytest arguments (e.g. -x, -k name)")
+    t.epilog = "Arguments after `--` go to pytest, e.g. `-- -x -k decode`."
     g = sub.add_parser("grade", help="a score per unit")
     g.add_argument("--student", metavar="DIR")
     g.add_argument("--units", help="comma-separated unit names (default: all)")
@@ -434,7 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []     # the rest goes to pytest
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     args = build_parser().parse_args(argv)
+    args.pytest_args = extra
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     return {"list": cmd_list, "start": cmd_start, "test": cmd_test, "grade": cmd_grade}[args.cmd](args)
 
