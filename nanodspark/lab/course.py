@@ -140,7 +140,7 @@ UNITS: tuple[Unit, ...] = (
          ("tests/test_ragged_graphs.py::test_pack_rows_lays_requests_out_contiguously_and_pads_the_rest",
           "tests/test_ragged_graphs.py::test_tiers_fix_slots_and_tokens_and_the_smallest_fitting_one_is_picked")),
     Unit("overlap", "the overlapped loop: launch step n+1, then commit step n",
-         "walkthrough/11_overlap.md",
+         "walkthrough chapter 11 (the overlapped loop)",
          ("tests/test_overlap_contract.py",),
          ("tests/test_overlap_contract.py::test_the_loop_launches_the_next_step_before_it_commits_this_one",)),
 )
@@ -329,9 +329,9 @@ def cmd_list(args) -> int:
 def task_text(u: Unit, student: Path) -> str:
     regions = [r for r in all_regions() if r.unit == u.name]
     lines = [f"# Unit {u.name}: {u.title}", "",
-             f"Read {u.chapter} (its Task section names this unit), then fill in the regions below,",
-             "each between its `# BEGIN STUDENT` and `# END STUDENT` lines. Keep every name the",
-             "starter already has: the tests and the engine call them.", ""]
+             f"Read {u.chapter} (walkthrough/README.md lists the units), then fill in the regions",
+             "below, each between its `# BEGIN STUDENT` and `# END STUDENT` lines. Keep every name",
+             "the starter already has: the tests and the engine call them.", ""]
     where = {}                                   # the BEGIN lines of the starter, file by file
     for f in sorted({r.path for r in regions}):
         where[f] = [i for i, line in enumerate(starter_text(f, u.name).splitlines(), 1)
@@ -399,7 +399,9 @@ def cmd_grade(args) -> int:
         passed, counted = score(r)
         report[n] = r
         todo = hints_seen(u, r)
-        rows.append((n, passed, counted, f"{res['seconds']:.0f} s" + (f"; {len(todo)} region(s) to do" if todo else "")))
+        first = todo[0][len(f"unit {n}: implement "):] if todo else ""
+        rows.append((n, passed, counted, f"{res['seconds']:.0f} s"
+                     + (f"; to do: {first[:60]}{'...' if len(first) > 60 else ''}" if todo else "")))
         if args.verbose and passed < counted:
             print(res["output"])
     who = args.student or "the reference"
