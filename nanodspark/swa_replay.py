@@ -32,14 +32,20 @@ class ReplayPlan:
 
 
 def exact_replay_tokens(window: int, n_sliding_layers: int) -> int:
+    # BEGIN STUDENT swa-replay: exact_replay_tokens: how many tokens a replay needs so that every sliding
+    #   layer's K/V above the hit is exact (each stacked sliding layer loses window - 1 rows)
     return n_sliding_layers * (window - 1)
+    # END STUDENT swa-replay
 
 
 def plan_replay(hit: int, window: int, n_sliding_layers: int, keep_tokens: int = 0) -> ReplayPlan:
     """Where a prefill starts after a prefix hit of `hit` tokens (multiple of the block size).
 
     Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay."""
+    # BEGIN STUDENT swa-replay: plan_replay: start the prefill keep tokens before the hit (keep_tokens, or
+    #   the exact length when 0), never below 0; no hit or no sliding layer: no replay
     if hit == 0 or n_sliding_layers == 0:
         return ReplayPlan(hit, hit)
     keep = keep_tokens if keep_tokens > 0 else exact_replay_tokens(window, n_sliding_layers)
     return ReplayPlan(max(0, hit - keep), hit)
+    # END STUDENT swa-replay
