@@ -8,8 +8,9 @@ import torch
 
 from nanodspark import LLM, SamplingParams
 from nanodspark.config import EngineConfig
-from nanodspark.eplb import (ExpertBalancer, LoadRecorder, balance_stats, check_placement, colocated_replicas,
-                             fold_to_logical, keep_in_place, rebalance_experts, replica_load, trivial_placement)
+from nanodspark.eplb import (ExpertBalancer, LoadRecorder, balance_stats, balanced_packing, check_placement,
+                             colocated_replicas, fold_to_logical, keep_in_place, rebalance_experts, replica_load,
+                             replicate_experts, trivial_placement)
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext
 from kernels.replicas import map_to_replicas, map_to_replicas_ref
@@ -34,6 +35,66 @@ def zipf_loads(gen, layers, experts, s=1.2, tokens=10_000):
         p = p[torch.randperm(experts, generator=gen)]
         out.append(torch.multinomial(p / p.sum(), tokens, replacement=True, generator=gen).bincount(minlength=experts))
     return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------- the two steps
+# (the contracts of the course's unit eplb: walkthrough/12_eplb.md, Task 10)
+def test_balanced_packing_largest_first_into_the_lightest_pack_with_room():
+    # 5 -> p0, 4 -> p1, 3 -> p1 (4 < 5), 3 -> p0 (5 < 7), 2 -> p1 (7 < 8), 1 -> p0 (p1 is full)
+    pack, rank = balanced_packing(torch.tensor([[5., 1, 4, 2, 3, 3]]), 2)
+    assert pack.tolist() == [[0, 0, 1, 1, 1, 0]] and rank.tolist() == [[0, 2, 0, 2, 1, 1]]
+    pack, rank = balanced_packing(torch.tensor([[1., 1, 1, 1], [0, 0, 0, 9]]), 2)   # ties: lower item, lower pack
+    assert pack.tolist() == [[0, 1, 0, 1], [1, 1, 0, 0]] and rank.tolist() == [[0, 0, 1, 1], [0, 1, 1, 0]]
+    pack, rank = balanced_packing(torch.tensor([[3., 9, 1]]), 3)                   # one item per pack: in order
+    assert pack.tolist() == [[0, 1, 2]] and rank.tolist() == [[0, 0, 0]]
+    with pytest.raises(ValueError, match="evenly"):
+        balanced_packing(torch.ones(1, 5), 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_packing_fills_every_pack_exactly(seed):
+    gen = torch.Generator().manual_seed(seed)
+    X, packs, per = 3, [2, 3, 4, 8][seed], [2, 3, 5, 4][seed]
+    w = torch.rand(X, packs * per, generator=gen) * 100
+    pack, rank = balanced_packing(w, packs)
+    for x in range(X):
+        for q in range(packs):
+            items = (pack[x] == q).nonzero().flatten()
+            assert len(items) == per                                         # exactly n / packs items
+            order = items[rank[x, items].argsort()]
+            assert sorted(rank[x, items].tolist()) == list(range(per))       # ranks 0..per-1
+            assert (w[x, order].diff() <= 0).all()                           # received largest first
+
+
+def test_replicate_experts_gives_each_extra_slot_to_the_most_loaded_per_replica():
+    # chapter 12, step b: 165 -> 82.5 twice, then 104 -> 52 twice
+    phy2log, rank, cnt = replicate_experts(torch.tensor([[61., 104, 165, 39, 4, 73]]), 8)
+    assert phy2log.tolist() == [[0, 1, 2, 3, 4, 5, 2, 1]] and rank.tolist() == [[0, 0, 0, 0, 0, 0, 1, 1]]
+    assert cnt.tolist() == [[1, 2, 2, 1, 1, 1]]
+    phy2log, rank, cnt = replicate_experts(torch.tensor([[2., 2], [1, 8]]), 5)       # ties: the lower expert
+    assert phy2log.tolist() == [[0, 1, 0, 1, 0], [0, 1, 1, 1, 1]]
+    assert rank.tolist() == [[0, 0, 1, 1, 2], [0, 0, 1, 2, 3]] and cnt.tolist() == [[3, 2], [1, 4]]
+    phy2log, rank, cnt = replicate_experts(torch.tensor([[4., 0, 7]]), 3)            # no spare slot
+    assert phy2log.tolist() == [[0, 1, 2]] and cnt.tolist() == [[1, 1, 1]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replicate_experts_minimises_the_largest_load_per_replica(seed):
+    """The greedy is optimal: no other split of the slots has a smaller max_e load_e / count_e
+    (checked against every split of up to 4 spare slots over 4 experts)."""
+    import itertools
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(1, 50, (2, 4), generator=gen).double()
+    for spare in range(5):
+        phy2log, rank, cnt = replicate_experts(w, 4 + spare)
+        assert phy2log[:, :4].tolist() == [[0, 1, 2, 3]] * 2 and (cnt.sum(1) == 4 + spare).all()
+        for x in range(2):
+            assert cnt[x].tolist() == torch.bincount(phy2log[x], minlength=4).tolist()
+            for e in range(4):                                   # ranks 0..count-1, in slot order
+                assert rank[x][phy2log[x] == e].tolist() == list(range(int(cnt[x, e])))
+            best = min(max(w[x, e] / (1 + c[e]) for e in range(4))
+                       for c in itertools.product(range(spare + 1), repeat=4) if sum(c) == spare)
+            assert float((w[x] / cnt[x]).max()) == pytest.approx(float(best))
 
 
 # ----------------------------------------------------------------------------- placement

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "nanodspark"
-ENTRY_POINTS = {"bench.py"}          # `python -m nanodspark.bench`: hands its arguments to the lab
+ENTRY_POINTS = {"bench.py", "course.py"}   # `python -m nanodspark.bench` / `.course`: hand their arguments to the lab
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ENTRY_POINTS)
 ROOMS = ("nanodspark.lab", "nanodspark.server")
 
@@ -95,3 +95,13 @@ def test_bench_entry_point_runs_the_lab_cli(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m nanodspark.bench") and "dspark-table" in out
+
+
+def test_course_entry_point_runs_the_lab_cli(capsys):
+    from nanodspark import course
+    with pytest.raises(SystemExit) as e:
+        course.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m nanodspark.course") and "grade" in out
+    assert course.main(["list"]) == 0 and "eplb" in capsys.readouterr().out

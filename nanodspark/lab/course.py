@@ -1,9 +1,12 @@
 """The course: one assignment per component, graded by one command (walkthrough/README.md).
 
-    python -m nanodspark.lab.course list
-    python -m nanodspark.lab.course start UNIT DIR          # UNIT may be `all`
-    python -m nanodspark.lab.course test UNIT [--student DIR] [--quick] [-- PYTEST ARGS]
-    python -m nanodspark.lab.course grade [--student DIR] [--units a,b] [--quick]
+    python -m nanodspark.course list
+    python -m nanodspark.course start UNIT DIR          # UNIT may be `all`
+    python -m nanodspark.course test UNIT [--student DIR] [--quick] [-- PYTEST ARGS]
+    python -m nanodspark.course grade [--student DIR] [--units a,b] [--quick]
+
+(`nanodspark/course.py` hands its arguments to `main` here; `python -m nanodspark.lab.course`
+is the same command.)
 
 The idea
     The reference implementation is the assignment. A student's part of a component is marked
@@ -140,9 +143,24 @@ UNITS: tuple[Unit, ...] = (
          ("tests/test_ragged_graphs.py::test_pack_rows_lays_requests_out_contiguously_and_pads_the_rest",
           "tests/test_ragged_graphs.py::test_tiers_fix_slots_and_tokens_and_the_smallest_fitting_one_is_picked")),
     Unit("overlap", "the overlapped loop: launch step n+1, then commit step n",
-         "walkthrough chapter 11 (the overlapped loop)",
+         "walkthrough/11_overlap_loop.md",
          ("tests/test_overlap_contract.py",),
          ("tests/test_overlap_contract.py::test_the_loop_launches_the_next_step_before_it_commits_this_one",)),
+    Unit("eplb", "EPLB placement: pack groups to nodes, replicate hot experts, pack replicas to GPUs",
+         "walkthrough/12_eplb.md",
+         ("tests/test_eplb.py::test_balanced_packing_largest_first_into_the_lightest_pack_with_room",
+          "tests/test_eplb.py::test_balanced_packing_fills_every_pack_exactly",
+          "tests/test_eplb.py::test_replicate_experts_gives_each_extra_slot_to_the_most_loaded_per_replica",
+          "tests/test_eplb.py::test_replicate_experts_minimises_the_largest_load_per_replica",
+          "tests/test_eplb.py::test_readme_example_is_reproduced_up_to_order_within_a_gpu",
+          "tests/test_eplb.py::test_global_policy_on_the_readme_loads_puts_two_replicas_of_one_expert_on_one_gpu",
+          "tests/test_eplb.py::test_random_loads_keep_every_invariant",
+          "tests/test_eplb.py::test_balancedness_after_placement_is_at_least_before_on_skewed_loads",
+          "tests/test_eplb.py::test_logits_do_not_depend_on_the_placement",
+          "tests/test_eplb.py::test_greedy_output_is_unchanged_by_rebalancing_mid_generation"),
+         ("tests/test_eplb.py::test_balanced_packing_largest_first_into_the_lightest_pack_with_room",
+          "tests/test_eplb.py::test_replicate_experts_gives_each_extra_slot_to_the_most_loaded_per_replica",
+          "tests/test_eplb.py::test_readme_example_is_reproduced_up_to_order_within_a_gpu")),
 )
 
 
@@ -270,7 +288,7 @@ def run_tests(names: list[str], student: Path | None, quick: bool = False, timeo
             for f in unit_files(n):
                 p = Path(student, f).resolve()
                 if not p.exists():
-                    raise FileNotFoundError(f"{p} does not exist: run `python -m nanodspark.lab.course "
+                    raise FileNotFoundError(f"{p} does not exist: run `python -m nanodspark.course "
                                             f"start {n} {student}` first")
                 swap[module_name(f)] = str(p)
     ids = [t for n in names for t in test_ids(unit(n), quick)]
@@ -305,11 +323,14 @@ def score(results: dict[str, dict]) -> tuple[int, int]:
 
 
 def hints_seen(u: Unit, results: dict[str, dict]) -> list[str]:
+    """The unit's "implement ..." messages that the failures show, in region order (a message
+    the reports show otherwise than verbatim, e.g. through a compiler, is cut at a quote)."""
+    known = [failure_message(u, r) for r in all_regions() if r.unit == u.name]
+    seen = [m for m in known if any(m in r["message"] for r in results.values())]
     pat = re.compile(rf"unit {re.escape(u.name)}: implement [^\n\"']*")
-    seen = []
     for r in results.values():
         for m in pat.findall(r["message"]):
-            if m not in seen:
+            if m not in seen and not any(k.startswith(m) for k in seen):
                 seen.append(m)
     return seen
 
@@ -341,9 +362,9 @@ def task_text(u: Unit, student: Path) -> str:
         k = seen[r.path] = seen.get(r.path, -1) + 1
         lines.append(f"* `{r.path}` (line {where[r.path][k]}): {r.hint}")
     lines += ["", "Test your work (the engine runs your code in place of the reference's):", "",
-              f"    python -m nanodspark.lab.course test {u.name} --student {student}", "",
+              f"    python -m nanodspark.course test {u.name} --student {student}", "",
               "and see the score:", "",
-              f"    python -m nanodspark.lab.course grade --student {student} --units {u.name}", ""]
+              f"    python -m nanodspark.course grade --student {student} --units {u.name}", ""]
     return "\n".join(lines)
 
 
@@ -419,7 +440,7 @@ def cmd_grade(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nanodspark.lab.course", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nanodspark.course", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the units, their regions, tests and chapters")
     s = sub.add_parser("start", help="write a unit's starter files into DIR")

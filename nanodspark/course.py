@@ -1,0 +1,18 @@
+"""`python -m nanodspark.course list | start UNIT DIR | test UNIT [--student DIR] | grade`: the course.
+
+The course is lab code (`nanodspark/lab/course.py`, which says how units, starters and grading
+work; `nanodspark/lab/course_runner.py`); this file only hands its arguments to
+`nanodspark.lab.course.main`, as `nanodspark/bench.py` does for the benchmarks, so that the
+command the walkthrough and the README give is short. `python -m nanodspark.lab.course` is the
+same command. No core module imports it.
+"""
+import sys
+
+
+def main(argv=None) -> int:
+    from nanodspark.lab.course import main as lab_main
+    return lab_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
