@@ -8,6 +8,8 @@ The idea
       paged cache (kernels/paged_attention.py).
     * `store_kv_ref` / `paged_attention_ref` (kernels/reference.py) define the semantics and
       are the CPU engine's attention path.
+    * kernels/batch_invariant.py: fixed-order versions of the matmul, MoE and attention (with
+      `paged_attention.fixed_config`) for `EngineConfig.batch_invariant`.
     Contracts: walkthrough/00_design.md. Walkthrough: walkthrough/03_kernels.md.
 
 Invariants

@@ -184,8 +184,13 @@ def _down_kernel(h_ptr, wd_ptr, rw_ptr, out_ptr, rows_ptr, bexp_ptr,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-              w_up: torch.Tensor, w_down: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t; returns [T, H]."""
+              w_up: torch.Tensor, w_down: torch.Tensor, block_m: int | None = None,
+              reduce=None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t; returns [T, H].
+
+    block_m: pair rows per block (default: by the number of pairs); reduce: [T, top_k, H] ->
+    [T, H], the sum over a token's experts (default: torch's sum in fp32; kernels/batch_invariant.py
+    passes a fixed-order one)."""
     T, H = x.shape
     top_k = ids.shape[1]
     E, I = w_gate.shape[0], w_gate.shape[1]
@@ -207,6 +212,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     _down_kernel[(nb, triton.cdiv(H, bn))](
         h, w_down, rw, out_pairs, rows, block_expert, P, H, I, h.stride(0), w_down.stride(0), w_down.stride(1),
         out_pairs.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32, num_warps=4)
+    if reduce is not None:
+        return reduce(out_pairs.view(T, top_k, H))
     return out_pairs.view(T, top_k, H).float().sum(1).to(x.dtype)
 
 

@@ -74,7 +74,7 @@ POISON_SCRATCH = False
 # a multiple of 16, which shows up as a latency spike the first time a batch shape is seen.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt", "stride_ps", "stride_ls"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, part_cnt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, part_cnt_ptr, part_first_ptr,
     bt_ptr, cu_q_ptr, kv_lens_ptr, kv_start_ptr,
     qk_scale, window, num_splits,
     stride_qt, stride_qh,
@@ -87,7 +87,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_KV_START: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr, CAUSAL: tl.constexpr, MIN_TILES: tl.constexpr,
+    F32_DOT: tl.constexpr, CAUSAL: tl.constexpr, MIN_TILES: tl.constexpr, CHUNK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head_split = tl.program_id(1)
@@ -149,6 +149,15 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(n_tiles, eff)
     s_lo = lo_tile + split * per_split * BLOCK_N
     s_hi = tl.minimum(hi, s_lo + per_split * BLOCK_N)
+    if CHUNK > 0:
+        # The fixed schedule (batch invariance, `fixed_config`): split s of this tile walks the
+        # keys of the absolute chunk c0 + s, [c * CHUNK, (c + 1) * CHUNK), c0 the chunk of the
+        # tile's first key; which chunks a row's keys fall in depends on that row alone.
+        c0 = lo_tile // CHUNK
+        s_lo = tl.maximum(lo_tile, (c0 + split) * CHUNK)
+        s_hi = tl.minimum(hi, (c0 + split + 1) * CHUNK)
+        if (split > 0) & (s_lo >= s_hi):
+            return
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -204,17 +213,41 @@ def _paged_attention_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc / l_safe[:, None]
     st_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        if split == 0:                       # how many partials the merge must combine
-            tl.store(part_cnt_ptr + q_rows * stride_lt + head, eff + qi * 0, mask=row_ok)
-    if eff > 1:
-        part = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(part + offs_d[None, :], out, mask=st_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+    part = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    dst = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+    if CHUNK > 0:
+        # Each row's own chunks [first, first + n) (as splits of this tile), from its own keys
+        # [r_lo, pos + 1): causal rows read up to their position, the others (pos = kv_len - 1)
+        # all of kv_len. One chunk: the output is written here; more: partials for the merge.
+        r_lo = qi * 0
+        if HAS_KV_START:
+            r_lo += tl.load(kv_start_ptr + r)
+        if USE_WINDOW:
+            r_lo = tl.maximum(r_lo, pos - window + 1)
+        r_lo = tl.maximum(r_lo, 0)
+        n_chunks = tl.where(pos + 1 > r_lo, pos // CHUNK - r_lo // CHUNK + 1, 0)
+        first = r_lo // CHUNK - c0
+        sp = qi * 0 + split                      # per row (the interpreter mis-types scalar & vector masks)
+        mine = row_ok & (sp >= first) & (sp < first + n_chunks)
+        # one record per row: by its first chunk's program (split 0 for a row with no key)
+        writer = row_ok & (((n_chunks > 0) & (sp == first)) | ((n_chunks == 0) & (sp == 0)))
+        tl.store(part_cnt_ptr + q_rows * stride_lt + head, n_chunks, mask=writer)
+        tl.store(part_first_ptr + q_rows * stride_lt + head, first, mask=writer)
+        direct = (mine & (n_chunks == 1)) | (writer & (n_chunks == 0))         # no key: zeros
+        tl.store(dst + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=direct[:, None] & d_ok[None, :])
+        many = mine & (n_chunks > 1)
+        tl.store(part + offs_d[None, :], out, mask=many[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=many)
     else:
-        dst = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(dst + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
+        if SPLIT:
+            if split == 0:                       # how many partials the merge must combine
+                tl.store(part_cnt_ptr + q_rows * stride_lt + head, eff + qi * 0, mask=row_ok)
+        if eff > 1:
+            tl.store(part + offs_d[None, :], out, mask=st_mask)
+            tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+        else:
+            tl.store(dst + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
@@ -250,6 +283,41 @@ def _merge_splits_kernel(
     # END STUDENT kernel
 
 
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
+def _merge_chunks_kernel(
+    part_o_ptr, part_lse_ptr, part_cnt_ptr, part_first_ptr, o_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The fixed schedule's merge: a row's chunk partials combined left to right (the same
+    order whatever the batch), o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    cnt = tl.load(part_cnt_ptr + t * stride_lt + h)
+    if cnt <= 1:                             # written by the attention program
+        return
+    # a padding row (no request) has no record: whatever is there, stay inside the scratch
+    cnt = tl.minimum(cnt, num_splits)
+    first = tl.minimum(tl.maximum(tl.load(part_first_ptr + t * stride_lt + h), 0), num_splits - cnt)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse_row = part_lse_ptr + t * stride_lt + h
+    part_row = part_o_ptr + t * stride_pt + h * stride_ph + offs_d
+    m = tl.load(lse_row + first * stride_ls)
+    for i in range(1, cnt):
+        m = tl.maximum(m, tl.load(lse_row + (first + i) * stride_ls))
+    m = tl.where(m == float("-inf"), 0.0, m)     # every chunk empty (-1 pages): all weights 0
+    w = tl.exp2(tl.load(lse_row + first * stride_ls) - m)
+    total = w
+    acc = w * tl.load(part_row + first * stride_ps, mask=d_ok, other=0.0)
+    for i in range(1, cnt):
+        w = tl.exp2(tl.load(lse_row + (first + i) * stride_ls) - m)
+        total += w
+        acc += w * tl.load(part_row + (first + i) * stride_ps, mask=d_ok, other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Launch parameters of `paged_attention`; `pick_config` chooses them from shapes."""
@@ -258,6 +326,7 @@ class AttentionConfig:
     num_splits: int
     num_warps: int = 4
     num_stages: int = 2
+    chunk: int = 0           # > 0: the fixed split schedule, keys cut every `chunk` positions
 
 
 def _interpreting() -> bool:
@@ -331,6 +400,31 @@ def pick_config(*, batch: int, num_kv_heads: int, group: int, head_dim: int, max
                            num_warps=4, num_stages=num_stages)
 
 
+# The fixed schedule of batch-invariant attention (kernels/batch_invariant.py): one tile shape for
+# every batch, and keys split on an absolute grid of FIXED_CHUNK positions.
+FIXED_CHUNK = 256
+
+
+def fixed_config(dtype: torch.dtype, head_dim: int, chunk: int | None = None) -> AttentionConfig:
+    """The launch configuration of the fixed schedule: it depends on the dtype and head size
+    only (never on the batch, q_len or context); the split count follows at launch from the
+    shapes (`chunk_splits`). `chunk` must be a multiple of the tile's keys."""
+    chunk = chunk or FIXED_CHUNK
+    block_n = 32 if dtype == torch.float32 or head_dim > 128 else 64
+    assert chunk % block_n == 0, f"chunk {chunk} must be a multiple of {block_n} keys"
+    return AttentionConfig(block_m=32, block_n=block_n, num_splits=0, num_warps=4, num_stages=2, chunk=chunk)
+
+
+def chunk_splits(chunk: int, block_n: int, max_kv: int, window: int, max_q_len: int) -> int:
+    """Splits per tile under the fixed schedule: the most chunks one tile's keys can span
+    (host shapes only, so graph-safe). A full layer's tile reads at most max_kv keys from 0;
+    a sliding one fewer than window + max_q_len, starting up to block_n - 1 keys into a tile."""
+    n = triton.cdiv(max(1, max_kv), chunk)
+    if window > 0:
+        n = min(n, (window + max_q_len + block_n) // chunk + 2)
+    return max(1, n)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                     *, scale: float, sliding_window: int = 0, kv_start: torch.Tensor | None = None,
@@ -372,24 +466,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              max_kv_len=max_kv, dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     q_tiles = triton.cdiv(max_q_len * G, config.block_m)
-    S = config.num_splits
-    split = S > 1
+    chunk = config.chunk
+    S = chunk_splits(chunk, config.block_n, block_tables.shape[1] * PAGE, sliding_window, max_q_len) \
+        if chunk else config.num_splits
+    split = S > 1 or chunk > 0                     # scratch and a merge (the fixed schedule: always)
     if split:
         part_o = torch.empty((S, T, Hq, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((S, T, Hq), dtype=torch.float32, device=q.device)
         # rows of no request (padding) get no count from the attention kernel; their output is
         # unspecified (contract), so their count may be anything: no fill kernel for it
         part_cnt = torch.empty((T, Hq), dtype=torch.int32, device=q.device)
+        part_first = torch.empty((T, Hq), dtype=torch.int32, device=q.device) if chunk else part_cnt
         if POISON_SCRATCH:
             part_o.fill_(float("nan"))
             part_lse.fill_(float("nan"))
     else:
-        part_o = part_lse = part_cnt = out          # unused (SPLIT=False); any tensor will do
+        part_o = part_lse = part_cnt = part_first = out   # unused (SPLIT=False); any tensor will do
     kv_start_arg = kv_start if kv_start is not None else kv_lens   # unused when HAS_KV_START=False
 
     grid = (q_tiles, Hkv * S, B)
     compiled = _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse, part_cnt,
+        q, k_cache, v_cache, out, part_o, part_lse, part_cnt, part_first,
         block_tables, cu_seqlens_q, kv_lens, kv_start_arg,
         scale * LOG2E, int(sliding_window), S,
         q.stride(0), q.stride(1),
@@ -402,15 +499,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, GROUP=G, PAGE=PAGE,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        USE_WINDOW=sliding_window > 0, HAS_KV_START=kv_start is not None, SPLIT=split,
+        USE_WINDOW=sliding_window > 0, HAS_KV_START=kv_start is not None, SPLIT=split and not chunk,
         F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
-        CAUSAL=causal, MIN_TILES=1, num_warps=config.num_warps, num_stages=config.num_stages,
+        CAUSAL=causal, MIN_TILES=1, CHUNK=chunk, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if stats is not None:
         meta = getattr(compiled, "metadata", None)       # Triton keeps `shared` there in 3.x
         stats.update({k: getattr(compiled, k, None) if getattr(compiled, k, None) is not None
                       else getattr(meta, k, None) for k in ("n_regs", "n_spills", "shared")})
-    if split:
+    if chunk:
+        _merge_chunks_kernel[(T, Hq)](
+            part_o, part_lse, part_cnt, part_first, out, S,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D >= 128 else 1)
+    elif split:
         _merge_splits_kernel[(T, Hq)](
             part_o, part_lse, part_cnt, out, S,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),

@@ -399,6 +399,7 @@ class EngineConfig:
     verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
     verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
     coupled_sampling: bool = False        # drafts and verification share the target's noise: the same tokens with speculation on or off
+    batch_invariant: bool = False         # fixed-order kernels: a request's logits do not depend on the batch, padding or chunking
     # --- execution (walkthrough 10 and 11) ---
     cuda_graphs: bool = True              # replay decode steps from CUDA graphs (CUDA and the triton backend only)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -462,6 +463,9 @@ class EngineConfig:
             raise ValueError(f"eplb_policy must be auto, hierarchical or global, not {self.eplb_policy!r}")
         if self.eplb and self.eplb_interval and not self.eplb_record:
             raise ValueError("rebalancing (eplb_interval > 0) needs the recorder (eplb_record=True)")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant runs in one process: an all-reduce's order of summation is the "
+                             "collective library's, not fixed here (tensor_parallel_size must be 1)")
         if self.eplb and self.tensor_parallel_size > 1:
             raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
                              "tensor_parallel_size > 1 yet")

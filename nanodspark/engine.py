@@ -154,10 +154,10 @@ class LLMEngine:
             raise ValueError("attention_backend='triton' needs CUDA (or, for tests, TRITON_INTERPRET=1 "
                              "set before Triton is imported); use 'torch' on CPU")
         self.model_name = str(model_path or "default")  # the key of this model's cost table
-        self.ops = ops_for(self.backend)
+        self.ops = ops_for(self.backend, cfg.batch_invariant)
         self.drafter = drafter = self._load_drafter(model_dir)
         self.gamma = drafter.config.gamma if drafter is not None else 0
-        if self.backend == "triton":            # one GEMM for q/k/v and for gate/up
+        if self.backend == "triton" or cfg.batch_invariant:    # one GEMM for q/k/v and for gate/up
             self.model.fuse()
             if drafter is not None:
                 drafter.fuse()

@@ -485,12 +485,18 @@ TORCH_OPS = Ops("torch", _torch_add_rmsnorm, _torch_norm_rope_store, _torch_kv_n
                 _torch_paged_attention, _torch_silu_mul, torch_experts)
 
 
-def triton_ops() -> Ops:
+def triton_ops(batch_invariant: bool = False) -> Ops:
+    """The fused kernels; `batch_invariant`: with the fixed-order matmul, MoE and attention
+    schedule of kernels/batch_invariant.py (a row's numbers independent of the batch)."""
     from kernels import paged_attention
     from kernels.fused import add_rmsnorm, qk_norm_rope_store, silu_mul
     from kernels.linear import SkinnyLinear
     from kernels.moe import fused_moe, route_topk
     linear = SkinnyLinear()      # the library's GEMM until `linear.tune` finds faster shapes
+    name, experts = "triton", fused_moe
+    if batch_invariant:
+        from kernels import batch_invariant as bi
+        name, linear, experts, paged_attention = "triton-bi", bi.linear, bi.experts, bi.attention
 
     def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, slots):
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
@@ -508,13 +514,36 @@ def triton_ops() -> Ops:
         eps = attn.k_norm.eps if attn.k_norm is not None else 0.0
         qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, slots, 0, attn.n_kv, attn.head_dim)
 
-    return Ops("triton", lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
-               kv_norm_rope_store, paged_attention, silu_mul, fused_moe, linear, route_topk)
+    return Ops(name, lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
+               kv_norm_rope_store, paged_attention, silu_mul, experts, linear, route_topk)
 
 
-def ops_for(backend: str) -> Ops:
-    """'torch' (reference) or 'triton' (fused kernels)."""
-    return triton_ops() if backend == "triton" else TORCH_OPS
+def torch_bi_ops() -> Ops:
+    """The PyTorch reference made batch invariant (kernels/batch_invariant.py): every matrix
+    product, expert and attention row computed alone. Needs the fused q/k/v and gate/up weights
+    (`CausalLM.fuse`), so that every projection goes through `linear`. Norms, RoPE and SiLU are
+    TORCH_OPS' (their reductions are over one row already)."""
+    from kernels import batch_invariant as bi
+
+    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
+        from kernels.reference import store_kv_ref
+        D, T = attn.n_heads * attn.head_dim, x.shape[0]
+        kv = bi.linear_ref(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
+        k, v = kv.view(T, 2 * attn.n_kv, attn.head_dim).split(attn.n_kv, dim=1)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
+        store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, slots)
+
+    return Ops("torch-bi", _torch_add_rmsnorm, _torch_norm_rope_store, kv_norm_rope_store, bi.attention_ref,
+               _torch_silu_mul, bi.experts_ref, bi.linear_ref, bi.route_topk_ref)
+
+
+def ops_for(backend: str, batch_invariant: bool = False) -> Ops:
+    """'torch' (reference) or 'triton' (fused kernels); `batch_invariant`: their fixed-order
+    versions (kernels/batch_invariant.py)."""
+    if backend == "triton":
+        return triton_ops(batch_invariant)
+    return torch_bi_ops() if batch_invariant else TORCH_OPS
 
 
 @dataclass

@@ -154,7 +154,9 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what top-k and then top-p remove, row by row, in one sort."""
     V = z.shape[-1]
-    sorted_z, order = z.sort(dim=-1, descending=True)
+    # stable: tied logits keep their vocabulary order, whatever sort the batch's shape selects, so the
+    # tokens a top-p cut keeps among ties are the same in any batch (batch_invariant)
+    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
     k = torch.where((top_k > 0) & (top_k < V), top_k, V)
     kth = sorted_z.gather(1, (k - 1)[:, None])
     sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))   # ties with the k-th survive

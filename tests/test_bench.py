@@ -223,3 +223,25 @@ def test_dspark_bench_with_no_mixed_requests_runs_only_the_sweep(tiny_dir, tmp_p
     assert {r["mode"] for r in res["sweep"]} == {"no-spec", "static", "compact"} and str(model) in res["benchmark"]
     with pytest.raises(argparse.ArgumentTypeError, match="0 or more"):
         be._non_negative("-1")
+
+
+def test_sampling_bench_smoke_runs_the_three_engines_and_writes_json(tiny_dir, tmp_path):
+    """`python -m nanodspark.bench sampling --smoke` on a tiny pair: both parts, every engine,
+    JSON with argv and the device, the table printed last."""
+    from nanodspark.lab import bench_sampling as bs
+    from nanodspark.lab.bench import build_parser
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    out = tmp_path / "sampling.json"
+    args = build_parser().parse_args(["sampling", "--smoke", "--model", str(model), "--out", str(out)])
+    res = bs.run(args)
+    saved = json.loads(out.read_text())
+    assert saved["argv"] and saved["device"] and saved["torch"] == res["torch"]
+    assert [r["workload"] for r in res["workloads"]] == ["math"] and [r["batch"] for r in res["batches"]] == [1, 2]
+    for r in res["workloads"]:
+        assert set(bs.WORKLOAD_ENGINES) <= set(r) and all(r[n]["tau"] >= 1 for n in bs.WORKLOAD_ENGINES)
+    for r in res["batches"]:
+        assert all(r[n]["tok_s"] > 0 for n in bs.ENGINES)
+        assert r["coupled-bi"]["request0_same_as_first_batch"]       # the reproducible engine
+    assert "| reproducible / fastest |" in bs.markdown(res)

@@ -15,15 +15,23 @@ from pathlib import Path
 import pytest
 
 I32 = "*i32"
-PA = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", part_cnt_ptr=I32, bt_ptr=I32, cu_q_ptr=I32, kv_lens_ptr=I32,
+PA = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", part_cnt_ptr=I32, part_first_ptr=I32, bt_ptr=I32, cu_q_ptr=I32, kv_lens_ptr=I32,
           kv_start_ptr=I32)
 CASES = [
     ("paged_attention", "_paged_attention_kernel", dict(HEAD_DIM=128, BLOCK_D=128, GROUP=2, PAGE=16, BLOCK_M=16,
-     BLOCK_N=128, USE_WINDOW=False, HAS_KV_START=True, SPLIT=True, F32_DOT=False, CAUSAL=True, MIN_TILES=2), PA,
+     BLOCK_N=128, USE_WINDOW=False, HAS_KV_START=True, SPLIT=True, F32_DOT=False, CAUSAL=True, MIN_TILES=2, CHUNK=0), PA,
      ("qk_scale",)),
     ("paged_attention", "_paged_attention_kernel", dict(HEAD_DIM=64, BLOCK_D=64, GROUP=3, PAGE=16, BLOCK_M=32,
-     BLOCK_N=128, USE_WINDOW=True, HAS_KV_START=False, SPLIT=False, F32_DOT=False, CAUSAL=False, MIN_TILES=2), PA,
+     BLOCK_N=128, USE_WINDOW=True, HAS_KV_START=False, SPLIT=False, F32_DOT=False, CAUSAL=False, MIN_TILES=2, CHUNK=0), PA,
      ("qk_scale",)),
+    # the fixed schedule of batch invariance (kernels/batch_invariant.py), causal with a window and without
+    ("paged_attention", "_paged_attention_kernel", dict(HEAD_DIM=64, BLOCK_D=64, GROUP=3, PAGE=16, BLOCK_M=32,
+     BLOCK_N=64, USE_WINDOW=True, HAS_KV_START=True, SPLIT=False, F32_DOT=False, CAUSAL=True, MIN_TILES=1,
+     CHUNK=256), PA, ("qk_scale",)),
+    ("paged_attention", "_paged_attention_kernel", dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, PAGE=16, BLOCK_M=32,
+     BLOCK_N=64, USE_WINDOW=False, HAS_KV_START=False, SPLIT=False, F32_DOT=False, CAUSAL=False, MIN_TILES=1,
+     CHUNK=256), PA, ("qk_scale",)),
+    ("paged_attention", "_merge_chunks_kernel", dict(HEAD_DIM=128, BLOCK_D=128), PA, ()),
     ("paged_attention", "_merge_splits_kernel", dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), PA, ()),
     ("store_kv", "_store_kv_kernel", dict(HEAD_DIM=128, PAGE=16, BLOCK_H=8, BLOCK_D=128), dict(slot_ptr="*i64"), ()),
     ("linear", "_skinny_kernel", dict(HAS_BIAS=True, DIRECT=True, BLOCK_N=32, BLOCK_K=128, F32_DOT=False), {}, ()),
@@ -41,6 +49,10 @@ CASES = [
     ("fused", "_qk_norm_rope_store_kernel", dict(HQ=16, HKV=8, D=128, BLOCK_D=128, PAGE=16, QK_NORM=True),
      dict(slot_ptr="*i64"), ("eps",)),
     ("fused", "_silu_mul_kernel", dict(BLOCK=1024), {}, ()),
+    ("batch_invariant", "_matmul_kernel", dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, F32_DOT=False),
+     {}, ()),
+    ("batch_invariant", "_matmul_kernel", dict(HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, F32_DOT=True),
+     dict(x_ptr="*fp32", w_ptr="*fp32", b_ptr="*fp32", out_ptr="*fp32"), ()),
 ]
 
 

@@ -541,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_eplb as bl
     from . import bench_profile as bp
+    from . import bench_sampling as bsa
     from . import bench_speed as bsp
     from . import bench_tp as btp
     from . import timeline as tl
@@ -559,7 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,
              be.dspark_table),
             ("eplb", "expert load balance on recorded routing, simulated EP 4/8, rebalancing a running engine",
-             bl.add_eplb_args, bl.run)):
+             bl.add_eplb_args, bl.run),
+            ("sampling", "tau and tok/s of coupled vs rejection verification per workload; the cost of "
+             "batch invariance at batch 1/64/256", bsa.add_sampling_args, bsa.run)):
         sp = sub.add_parser(name, help=helptext)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0
