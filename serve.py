@@ -45,9 +45,10 @@ def _field_help() -> dict[str, str]:
 
 
 def _scalar(tp):
-    """int | float | str | bool for a field type, unwrapping `X | None`."""
+    """int | float | str | bool for a field type, unwrapping `X | None`; `int | str` is read as
+    text (EngineConfig turns digits into an int)."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp
+    return (str if str in args else args[0]) if args else tp
 
 
 def build_parser() -> argparse.ArgumentParser:

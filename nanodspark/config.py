@@ -156,7 +156,12 @@ class EngineConfig:
     kv_memory_fraction: float = 0.4       # share of free device memory the KV cache may take when sizing automatically
     cpu_kv_blocks: int = 2048             # default block count on CPU (RAM is not probed)
     enable_prefix_cache: bool = True      # reuse KV of full blocks shared with earlier prompts
-    swa_replay_tokens: int = 0            # tokens replayed for sliding layers after a prefix hit; 0 = exact length
+    # SWA replay after a prefix hit (swa_replay.py, walkthrough 13): 0 = exact, N*(W-1) tokens, the
+    # logits of a miss; n > 0 = bounded to n tokens (DeepSeek-V4.1 keeps 140), an approximation;
+    # "auto" = bounded to the window + the look-back, (1 + gamma) rows per verify window ahead of
+    # the frontier (1 window synchronous, 2 overlapped): 134 or 140 for the default pair. Never
+    # more than exact. 0 stays the default: the approximation is a deployment's choice.
+    swa_replay_tokens: int | str = 0      # 0 = exact, n = bounded to n tokens, "auto" = window + look-back
     # --- batching ---
     max_num_seqs: int = 64                # most requests running at once
     max_num_batched_tokens: int = 2048    # token budget of one forward (prefill chunks + decode + verify)
@@ -180,6 +185,9 @@ class EngineConfig:
     overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; overlap_loop.py)
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
+    # --- SWA snapshots ---
+    swa_snapshots: int = 0                # finished requests whose sliding-window KV is kept for a follow-up (no replay on a hit); 0 = off
+    swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -204,3 +212,11 @@ class EngineConfig:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
+            self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
+        if self.swa_replay_tokens != "auto" and (not isinstance(self.swa_replay_tokens, int)
+                                                 or self.swa_replay_tokens < 0):
+            raise ValueError(f"swa_replay_tokens must be 0 (exact), a positive count or 'auto', "
+                             f"not {self.swa_replay_tokens!r}")
+        if self.swa_snapshots < 0 or self.swa_snapshot_ttl_s <= 0:
+            raise ValueError("swa_snapshots must be >= 0 and swa_snapshot_ttl_s > 0")

@@ -541,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_profile as bp
     from . import bench_speed as bsp
+    from . import bench_swa as bsw
     for name, helptext, add_args, run in (
             ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
              bsp.add_speed_args, bsp.engine_speed),
@@ -550,7 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,
              be.pareto),
             ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,
-             be.dspark_table)):
+             be.dspark_table),
+            ("swa", "SWA replay and snapshots: follow-up prefill and TTFT, bounded replay drift", bsw.add_swa_args,
+             bsw.swa_bench)):
         sp = sub.add_parser(name, help=helptext)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0
