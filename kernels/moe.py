@@ -73,6 +73,46 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 @triton.jit
+def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, NB, E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """`align_pairs` in one program (two passes over the pairs): the same layout, in the same
+    (stable) order, in one launch instead of a dozen small ones."""
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        e = tl.load(ids_ptr + p0 + offs_p, mask=p0 + offs_p < P, other=-1)
+        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    cursor = tl.cumsum(padded, axis=0) - padded              # first padded row of each expert
+    block_end = tl.cumsum(padded // BLOCK_M, axis=0)         # blocks used by experts 0..e
+    offs_b = tl.arange(0, BLOCK_B)
+    for b0 in range(0, NB, BLOCK_B):
+        b = b0 + offs_b
+        owner = tl.sum(((block_end[None, :] <= b[:, None]) & (offs_e[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, tl.where(owner < E, owner, -1), mask=b < NB)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + offs_p
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hot = (e[:, None] == offs_e[None, :]).to(tl.int32)
+        rank = tl.cumsum(hot, axis=0) - hot                  # earlier pairs of the same expert here
+        dest = tl.sum(hot * (cursor[None, :] + rank), axis=1)
+        tl.store(rows_ptr + dest, p, mask=p < P)
+        cursor += tl.sum(hot, axis=0)
+
+
+def align_pairs_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` as one Triton kernel (plus the sentinel fill)."""
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    P, nb = flat.numel(), max_blocks(flat.numel(), num_experts, block_m)
+    rows = torch.full((nb * block_m,), P, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](flat, rows, block_expert, P, nb, E=num_experts, BLOCK_M=block_m, BLOCK_P=64,
+                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_B=64, num_warps=4)
+    return rows, block_expert
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, rows_ptr, bexp_ptr,
                     num_pairs, H, I, stride_x, stride_we, stride_wn, stride_h,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -154,7 +194,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         return torch.zeros_like(x)
     assert w_gate.stride(-1) == w_up.stride(-1) == w_down.stride(-1) == 1 and x.stride(-1) == 1
     block_m = block_m or (16 if P <= 1024 else 64)
-    rows, block_expert = align_pairs(ids, E, block_m)
+    rows, block_expert = align_pairs_fused(ids, E, block_m)
     nb = block_expert.shape[0]
     f32 = x.dtype == torch.float32 or _interpreting()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -168,3 +208,38 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         h, w_down, rw, out_pairs, rows, block_expert, P, H, I, h.stride(0), w_down.stride(0), w_down.stride(1),
         out_pairs.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32, num_warps=4)
     return out_pairs.view(T, top_k, H).float().sum(1).to(x.dtype)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    z = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(z - tl.max(z, 0))
+    p = tl.where(ok, e / tl.sum(e, 0), -1.0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):         # k times: the largest left (lowest index on ties)
+        m = tl.max(p, 0)
+        idx = tl.min(tl.where(p == m, offs, BLOCK_E), 0)
+        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64))
+        tl.store(w_ptr + t * TOP_K + j, m)
+        total += m
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORM:
+        for j in tl.static_range(TOP_K):
+            w = tl.load(w_ptr + t * TOP_K + j)
+            tl.store(w_ptr + t * TOP_K + j, w / total)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over experts (fp32), the top-k weights and ids, optionally renormalised to sum 1:
+    the router of model.MoE.route in one launch. weights fp32 [T, k], ids int64 [T, k]."""
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, w, ids, E, logits.stride(0), TOP_K=top_k, RENORM=renorm,
+                            BLOCK_E=max(16, triton.next_power_of_2(E)), num_warps=1)
+    return w, ids

@@ -74,7 +74,7 @@ POISON_SCRATCH = False
 # a multiple of 16, which shows up as a latency spike the first time a batch shape is seen.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt", "stride_ps", "stride_ls"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, part_cnt_ptr,
     bt_ptr, cu_q_ptr, kv_lens_ptr, kv_start_ptr,
     qk_scale, window, num_splits,
     stride_qt, stride_qh,
@@ -87,7 +87,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_KV_START: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr, CAUSAL: tl.constexpr,
+    F32_DOT: tl.constexpr, CAUSAL: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head_split = tl.program_id(1)
@@ -114,6 +114,9 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # ---- which keys: [lo, hi) covers every key some row of this tile may read -----------------
+    # BEGIN STUDENT kernel: which keys: pos, the position of each row (causal: kv_len - q_len + its token;
+    #   else kv_len - 1), and [lo, hi), every key some row of this tile may read: hi stops after the tile's
+    #   last row (causal) or at kv_len; lo starts at kv_start, the window of the tile's first row, and 0
     first_pos = kv_len - q_len               # position of the request's first query row
     if CAUSAL:
         pos = first_pos + qi                 # position of each row
@@ -128,11 +131,22 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         lo = tl.maximum(lo, first_pos + row0 // GROUP - window + 1)
     lo = tl.maximum(lo, 0)
+    # END STUDENT kernel
 
     # ---- this program's share of the key tiles (split-KV) -------------------------------------
     lo_tile = (lo // BLOCK_N) * BLOCK_N
     n_tiles = tl.maximum(tl.cdiv(hi - lo_tile, BLOCK_N), 0)
-    per_split = tl.cdiv(n_tiles, num_splits)
+    # The launch has `num_splits` programs per tile (sized from shapes: graph-safe); a short
+    # range uses fewer of them, at least MIN_TILES key tiles each, and the rest return at once.
+    # With one split left the program writes the output itself and the merge skips the row.
+    # (MIN_TILES 1 keeps a short range spread over programs: at batch 1 on the H200, two tiles
+    # in one program instead of two took 7.5 us instead of 5.7, walkthrough/10 §5.)
+    eff = 1
+    if SPLIT:
+        eff = tl.minimum(num_splits, tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1))
+        if split >= eff:
+            return
+    per_split = tl.cdiv(n_tiles, eff)
     s_lo = lo_tile + split * per_split * BLOCK_N
     s_hi = tl.minimum(hi, s_lo + per_split * BLOCK_N)
 
@@ -144,6 +158,11 @@ def _paged_attention_kernel(
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
 
+    # BEGIN STUDENT kernel: the walk over key tiles start = s_lo, s_lo + BLOCK_N, .. < s_hi: each key's page
+    #   from the block table (keys outside [lo, s_hi) and -1 pages masked off the loads), K and V rows at
+    #   page * stride + (key % PAGE) * stride_slot, scores q.k * qk_scale set to -inf where a row may not
+    #   read the key (causal, window), and the base-2 online softmax update of m_i, l_i and acc (P.V in fp32
+    #   when F32_DOT, else p in V's dtype)
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + offs_n0
         in_range = (offs_n >= lo) & (offs_n < s_hi)
@@ -178,6 +197,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    # END STUDENT kernel
 
     # ---- epilogue ------------------------------------------------------------------------------
     has_keys = l_i > 0
@@ -185,27 +205,36 @@ def _paged_attention_kernel(
     out = acc / l_safe[:, None]
     st_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        po = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(po + offs_d[None, :], out, mask=st_mask)
+        if split == 0:                       # how many partials the merge must combine
+            tl.store(part_cnt_ptr + q_rows * stride_lt + head, eff + qi * 0, mask=row_ok)
+    if eff > 1:
+        part = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
+        tl.store(part + offs_d[None, :], out, mask=st_mask)
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
     else:
-        po = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(po + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
+        dst = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(dst + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
 def _merge_splits_kernel(
-    part_o_ptr, part_lse_ptr, o_ptr, num_splits,
+    part_o_ptr, part_lse_ptr, part_cnt_ptr, o_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
+    cnt = tl.load(part_cnt_ptr + t * stride_lt + h)
+    if cnt <= 1:                             # one split: the attention program wrote the row
+        return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
+    s_ok = offs_s < tl.minimum(cnt, num_splits)
     d_ok = offs_d < HEAD_DIM
+    # BEGIN STUDENT kernel: the split-KV merge of token t, head h: load the num_splits partial outputs and
+    #   their base-2 log-sum-exps, weights w_s = 2^(lse_s - M) with M = max_s lse_s (0 when every split is
+    #   empty), store sum_s w_s o_s / sum_s w_s (0 when no weight)
     lse = tl.load(part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_ok,
                   other=float("-inf"))
     m = tl.max(lse, 0)
@@ -218,6 +247,7 @@ def _merge_splits_kernel(
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=d_ok)
+    # END STUDENT kernel
 
 
 @dataclass(frozen=True)
@@ -347,16 +377,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if split:
         part_o = torch.empty((S, T, Hq, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((S, T, Hq), dtype=torch.float32, device=q.device)
+        # rows of no request (padding) get no count from the attention kernel; their output is
+        # unspecified (contract), so their count may be anything: no fill kernel for it
+        part_cnt = torch.empty((T, Hq), dtype=torch.int32, device=q.device)
         if POISON_SCRATCH:
             part_o.fill_(float("nan"))
             part_lse.fill_(float("nan"))
     else:
-        part_o = part_lse = out          # unused (SPLIT=False); any tensor will do
+        part_o = part_lse = part_cnt = out          # unused (SPLIT=False); any tensor will do
     kv_start_arg = kv_start if kv_start is not None else kv_lens   # unused when HAS_KV_START=False
 
     grid = (q_tiles, Hkv * S, B)
     compiled = _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse,
+        q, k_cache, v_cache, out, part_o, part_lse, part_cnt,
         block_tables, cu_seqlens_q, kv_lens, kv_start_arg,
         scale * LOG2E, int(sliding_window), S,
         q.stride(0), q.stride(1),
@@ -371,7 +404,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         USE_WINDOW=sliding_window > 0, HAS_KV_START=kv_start is not None, SPLIT=split,
         F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
-        CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages,
+        CAUSAL=causal, MIN_TILES=1, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if stats is not None:
         meta = getattr(compiled, "metadata", None)       # Triton keeps `shared` there in 3.x
@@ -379,7 +412,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                       else getattr(meta, k, None) for k in ("n_regs", "n_spills", "shared")})
     if split:
         _merge_splits_kernel[(T, Hq)](
-            part_o, part_lse, out, S,
+            part_o, part_lse, part_cnt, out, S,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),

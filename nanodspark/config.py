@@ -1,15 +1,28 @@
 """Configuration: what the model *is* (`ModelConfig`) and how the engine runs it (`EngineConfig`).
 
-`ModelConfig` is read from a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama). It
-normalises the few ways those files spell the same thing (`rope_theta` vs `rope_parameters`,
-`layer_types` vs `use_sliding_window` + `max_window_layers`) so that the rest of the engine sees
-one shape.
+`ModelConfig` is read from a Hugging Face `config.json` (Qwen3, Qwen3-MoE, Llama) with the
+semantics `transformers` 5 gives it: its per-architecture defaults for omitted fields, its RoPE
+parameters (`rope_scaling` wins over `rope_parameters`, a `rope_theta` inside them over the top
+level one; types default, linear, dynamic, yarn, llama3) and its sliding-window flags, which
+differ per architecture:
+
+* Qwen3: `sliding_window` counts only with `use_sliding_window`; `layer_types`, when given, says
+  which layers slide, else layers `>= max_window_layers` do (default 28).
+* Qwen3-MoE: with `use_sliding_window` every layer slides (`max_window_layers` is not read).
+  An explicit `layer_types` is a nanodspark extension (transformers 5 ignores it for this
+  architecture): our default model is a full/sliding hybrid Qwen3-MoE.
+* Llama: no sliding attention; the flags are ignored, as transformers ignores them.
+
+What cannot be served exactly is refused with a `ValueError` naming the field. `check_config`
+reports, before any weight is read, which fields of a config.json are honoured, ignored or
+refused (`python -m nanodspark.check DIR`); walkthrough chapter 01 §3 has the table.
 
 `EngineConfig` holds every knob of the engine, each with a default and a one-line meaning.
 Nothing else in the package hard-codes a tunable number.
 
 Invariants: `layer_types[i]` is `"full_attention"` or `"sliding_attention"`; a sliding layer has a
-window `sliding_window > 0`; `head_dim * num_attention_heads` need not equal `hidden_size` (Qwen3).
+window `sliding_window > 0`; `head_dim * num_attention_heads` need not equal `hidden_size` (Qwen3);
+`rope_type` is one of `ROPE_TYPES` and `rope_scaling` holds every parameter it needs.
 """
 from __future__ import annotations
 
@@ -23,6 +36,17 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# transformers 5's defaults (its config classes) for the fields read below that a config.json may omit
+HF_DEFAULTS = {
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768, sliding_window=4096,
+                  max_window_layers=28),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, max_position_embeddings=32768, sliding_window=4096,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, bos_token_id=1,
+                  eos_token_id=2),
+}
 
 
 @dataclass
@@ -37,6 +61,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_type: str = "default"        # one of ROPE_TYPES
+    rope_scaling: dict = field(default_factory=dict)  # the parameters of rope_type, defaults filled in
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -67,6 +93,18 @@ class ModelConfig:
             raise ValueError("sliding_attention layers need sliding_window > 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not one of {ROPE_TYPES}")
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Refuse a context the RoPE cannot serve exactly. Dynamic NTK RoPE is plain RoPE up to
+        `max_position_embeddings` in transformers too; past it transformers rescales every
+        position by the longest sequence of the current forward call (and keeps keys cached
+        under the old scale), a function of batch history no paged, batched engine reproduces."""
+        if self.rope_type == "dynamic" and max_model_len > self.max_position_embeddings:
+            raise ValueError(f"rope_scaling.rope_type='dynamic' is served only up to max_position_embeddings="
+                             f"{self.max_position_embeddings} (where it equals plain RoPE); max_model_len="
+                             f"{max_model_len} is longer")
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
@@ -77,60 +115,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}.get(d.get("model_type", ""))
-        if arch is None:
-            raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r}; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r} (only plain RoPE is implemented)")
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        n_layers = d["num_hidden_layers"]
-        window = d.get("sliding_window") or 0
-        layer_types = d.get("layer_types")
-        if not layer_types:
-            if d.get("use_sliding_window") and window:
-                first = d.get("max_window_layers", n_layers)
-                layer_types = [SLIDING if i >= first else FULL for i in range(n_layers)]
-            else:
-                layer_types = [FULL] * n_layers
-        if SLIDING not in layer_types:
-            window = 0
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        n_heads = d["num_attention_heads"]
-        return cls(
-            architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d.get("intermediate_size", 0),
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            qk_norm=arch != "llama",
-            layer_types=list(layer_types),
-            sliding_window=int(window),
-            num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if arch == "qwen3_moe" else 0,
-            num_experts_per_tok=d.get("num_experts_per_tok", 0),
-            moe_intermediate_size=d.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(d.get("mlp_only_layers") or []),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
-            raw=dict(d),
-        )
+        """Read a Hugging Face config.json as transformers 5 reads it; refuse what cannot be
+        served exactly (a `ValueError` naming every such field)."""
+        cfg, refused = read_config(d)
+        if refused:
+            raise ValueError("; ".join(f"{k}: {why}" for k, why in refused))
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -140,6 +130,243 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def architecture_of(d: dict) -> str | None:
+    archs = d.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    return arch or {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}.get(d.get("model_type", ""))
+
+
+def read_config(d: dict) -> tuple[ModelConfig | None, list[tuple[str, str]]]:
+    """(config, refusals): every field that cannot be served, with why. The config is None when
+    the architecture is not supported; otherwise it is built with the refused fields left out."""
+    arch = architecture_of(d)
+    if arch is None:
+        archs = d.get("architectures") or d.get("model_type")
+        return None, [("architectures", f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")]
+    refused: list[tuple[str, str]] = []
+    hf = HF_DEFAULTS[arch]
+
+    def get(key, default=None):
+        v = d.get(key)
+        return hf.get(key, default) if v is None and key not in d else v
+
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if not d.get(k)]
+    if missing:
+        return None, [(k, "required") for k in missing]
+    n_layers, n_heads = d["num_hidden_layers"], d["num_attention_heads"]
+    max_pos = get("max_position_embeddings")
+    if d.get("hidden_act", "silu") != "silu":
+        refused.append(("hidden_act", f"{d['hidden_act']!r}: only silu (SwiGLU) is implemented"))
+    if arch == "llama" and d.get("mlp_bias"):
+        refused.append(("mlp_bias", "true: MLP biases are not implemented"))
+    if d.get("quantization_config"):
+        refused.append(("quantization_config", "quantized checkpoints are not loaded (bf16/fp16/fp32 safetensors only)"))
+    rope_theta, rope_type, rope_scaling = _read_rope(d, max_pos, refused)
+    layer_types, window = _read_sliding(arch, d, get, n_layers, refused)
+    eos = get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    moe = arch == "qwen3_moe"
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d.get("intermediate_size", 0),
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=get("num_key_value_heads") or n_heads,
+        head_dim=get("head_dim") or d["hidden_size"] // n_heads,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_type=rope_type,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=arch != "llama",
+        layer_types=layer_types,
+        sliding_window=window,
+        num_experts=(d.get("num_experts") or d.get("num_local_experts") or get("num_experts")) if moe else 0,
+        num_experts_per_tok=get("num_experts_per_tok", 0) if moe else 0,
+        moe_intermediate_size=get("moe_intermediate_size", 0) if moe else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=list(d.get("mlp_only_layers") or []),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+        torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+        raw=dict(d),
+    )
+    return cfg, refused
+
+
+def _read_rope(d: dict, max_pos: int, refused: list) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, parameters) as transformers 5's RoPE utilities read them."""
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    rope = dict(d.get(key) or {})
+    theta = float(rope.get("rope_theta") or d.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    for where, v in ((f"{key}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+                     ("partial_rotary_factor", d.get("partial_rotary_factor"))):
+        if v not in (None, 1, 1.0):
+            refused.append((where, f"{v}: partial rotary embeddings are not implemented"))
+    if rope_type not in ROPE_TYPES:
+        refused.append((f"{key}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"))
+        return theta, "default", {}
+    required = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}[rope_type]
+    missing = [k for k in required if k not in rope or (rope[k] is None and rope_type != "yarn")]  # yarn: None = derived
+    if missing:
+        refused.append((f"{key}.{missing[0]}", f"rope_type {rope_type!r} needs {', '.join(missing)}"))
+        return theta, "default", {}
+    omp = int(rope.get("original_max_position_embeddings") or max_pos)   # transformers' default
+    if rope_type == "default":
+        params = {}
+    elif rope_type in ("linear", "dynamic"):
+        params = {"factor": float(rope["factor"])}
+    elif rope_type == "llama3":
+        params = {k: float(rope[k]) for k in required} | {"original_max_position_embeddings": omp}
+    else:   # yarn
+        factor = rope["factor"]
+        params = {"factor": float(max_pos / omp if factor is None else factor), "original_max_position_embeddings": omp,
+                  "attention_factor": rope.get("attention_factor"), "beta_fast": float(rope.get("beta_fast") or 32),
+                  "beta_slow": float(rope.get("beta_slow") or 1), "mscale": rope.get("mscale"),
+                  "mscale_all_dim": rope.get("mscale_all_dim"), "truncate": bool(rope.get("truncate", True))}
+    if rope_type != "default" and not params["factor"] > 0:
+        refused.append((f"{key}.factor", f"{rope['factor']!r} must be positive"))
+        return theta, "default", {}
+    return theta, rope_type, params
+
+
+def _read_sliding(arch: str, d: dict, get, n_layers: int, refused: list) -> tuple[list[str], int]:
+    """(layer_types, sliding_window) from the sliding-window flags, per architecture (module doc)."""
+    if arch == "llama":
+        return [FULL] * n_layers, 0
+    window = get("sliding_window") if d.get("use_sliding_window") else None
+    explicit = d.get("layer_types")
+    if explicit is not None:
+        types = list(explicit)
+        if len(types) != n_layers or set(types) - {FULL, SLIDING}:
+            refused.append(("layer_types", f"needs {n_layers} entries, each {FULL!r} or {SLIDING!r}"))
+            types = [FULL] * n_layers
+        elif SLIDING in types and window is None:
+            why = "use_sliding_window is false" if not d.get("use_sliding_window") else "sliding_window is null"
+            refused.append(("layer_types", f"names sliding_attention layers but {why} "
+                                           "(transformers 5 has no window for them either)"))
+            types = [FULL] * n_layers
+    elif window is None:
+        types = [FULL] * n_layers
+    elif arch == "qwen3":
+        first = get("max_window_layers")
+        if not isinstance(first, int):
+            refused.append(("max_window_layers", f"{first!r}: an integer layer index is needed"))
+            first = n_layers
+        types = [SLIDING if i >= first else FULL for i in range(n_layers)]
+    else:   # qwen3_moe: one window for every layer
+        types = [SLIDING] * n_layers
+    if SLIDING not in types:
+        return types, 0
+    if not isinstance(window, int) or window <= 0:
+        refused.append(("sliding_window", f"{window!r}: a sliding layer needs a positive window"))
+        return [FULL] * n_layers, 0
+    return types, window
+
+
+# ----------------------------------------------------------------------------- the loader check
+_HONOURED = {
+    "*": ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+          "rope_parameters", "partial_rotary_factor", "max_position_embeddings", "tie_word_embeddings",
+          "attention_bias", "hidden_act", "eos_token_id", "quantization_config"),
+    "qwen3": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+    "qwen3_moe": ("use_sliding_window", "sliding_window", "layer_types", "num_experts", "num_local_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                  "mlp_only_layers"),
+    "llama": ("mlp_bias",),
+}
+_IGNORED = {   # field -> why it changes nothing the engine computes
+    "use_cache": "the engine always caches K/V (paged)",
+    "torch_dtype": "the engine's dtype option sets the compute dtype (recorded, written back on save)",
+    "dtype": "the engine's dtype option sets the compute dtype",
+    "bos_token_id": "prompts are tokenized as given; no BOS is added",
+    "pad_token_id": "batches are packed, never padded",
+    "initializer_range": "training only", "attention_dropout": "training only",
+    "output_router_logits": "training only", "router_aux_loss_coef": "training only",
+    "pretraining_tp": "transformers 5 does not read it either",
+    "transformers_version": "metadata", "_name_or_path": "metadata", "id2label": "metadata", "label2id": "metadata",
+    "problem_type": "metadata", "return_dict": "metadata", "output_hidden_states": "metadata",
+    "output_attentions": "metadata", "chunk_size_feed_forward": "metadata", "is_encoder_decoder": "metadata",
+}
+_IGNORED_PER_ARCH = {
+    "llama": {k: "transformers 5's Llama has no sliding attention" for k in
+              ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")},
+    "qwen3_moe": {"max_window_layers": "transformers 5's Qwen3-MoE does not read it (use_sliding_window slides every layer)"},
+}
+
+
+@dataclass
+class ConfigCheck:
+    """What `ModelConfig.from_dict` makes of a config.json, field by field (`check_config`)."""
+    architecture: str | None
+    rows: list[tuple[str, str, str]]       # (field, "honoured" | "ignored" | "refused" | "unknown", note)
+    config: ModelConfig | None
+
+    @property
+    def ok(self) -> bool:
+        return self.config is not None and not any(status == "refused" for _, status, _ in self.rows)
+
+    def format(self) -> str:
+        lines = [f"architecture: {self.architecture or 'unsupported'}"]
+        c = self.config
+        if c is not None:
+            slide = [i for i, t in enumerate(c.layer_types) if t == SLIDING]
+            lines.append(f"attention: {len(slide)} of {c.num_hidden_layers} layers sliding"
+                         + (f" (window {c.sliding_window}: layers {slide})" if slide else ""))
+            lines.append(f"rope: {c.rope_type}, theta {c.rope_theta:g}"
+                         + (f", {c.rope_scaling}" if c.rope_scaling else ""))
+        width = max([len(f) for f, _, _ in self.rows] + [5])
+        for status in ("refused", "honoured", "ignored", "unknown"):
+            for f, st, note in self.rows:
+                if st == status:
+                    lines.append(f"  {status:9s} {f:{width}s}  {note}")
+        lines.append("OK: loadable" if self.ok else "REFUSED: this checkpoint cannot be served exactly")
+        return "\n".join(lines)
+
+
+def check_config(d: dict) -> ConfigCheck:
+    """Which fields of a config.json are honoured, ignored or refused, before any weight is read.
+
+    Refusals are those `ModelConfig.from_dict` raises for; "unknown" fields are read by neither
+    this engine nor (for these architectures) transformers' modeling code as far as this table
+    knows; read their meaning before trusting the output."""
+    try:
+        cfg, refused = read_config(d)
+    except (TypeError, ValueError) as e:
+        cfg, refused = None, [("config.json", str(e))]
+    arch = cfg.architecture if cfg is not None else architecture_of(d)
+    rows = []
+    why_refused = {}
+    for k, why in refused:
+        why_refused.setdefault(k.split(".")[0], []).append(why)
+    honoured = set(_HONOURED["*"]) | set(_HONOURED.get(arch, ()))
+    ignored = {**_IGNORED, **_IGNORED_PER_ARCH.get(arch, {})}
+    for k in d:
+        v = json.dumps(d[k])
+        v = v if len(v) <= 60 else v[:57] + "..."
+        if k in why_refused:
+            rows.append((k, "refused", "; ".join(why_refused.pop(k))))
+        elif k in ignored:
+            rows.append((k, "ignored", ignored[k]))
+        elif k in honoured:
+            note = v
+            if arch == "qwen3_moe" and k == "layer_types":
+                note += "  (nanodspark extension: transformers 5 ignores it for Qwen3-MoE)"
+            rows.append((k, "honoured", note))
+        else:
+            rows.append((k, "unknown", f"{v}: not read"))
+    rows += [(k, "refused", "; ".join(w)) for k, w in why_refused.items()]   # e.g. a required field absent
+    return ConfigCheck(arch, rows, cfg)
 
 
 @dataclass
@@ -156,12 +383,23 @@ class EngineConfig:
     kv_memory_fraction: float = 0.4       # share of free device memory the KV cache may take when sizing automatically
     cpu_kv_blocks: int = 2048             # default block count on CPU (RAM is not probed)
     enable_prefix_cache: bool = True      # reuse KV of full blocks shared with earlier prompts
-    # SWA replay after a prefix hit (swa_replay.py, walkthrough 13): 0 = exact, N*(W-1) tokens, the
-    # logits of a miss; n > 0 = bounded to n tokens (DeepSeek-V4.1 keeps 140), an approximation;
-    # "auto" = bounded to the window + the look-back, (1 + gamma) rows per verify window ahead of
-    # the frontier (1 window synchronous, 2 overlapped): 134 or 140 for the default pair. Never
-    # more than exact. 0 stays the default: the approximation is a deployment's choice.
+    # SWA replay after a prefix hit (swa_replay.py, walkthrough 13). What the sliding layers
+    # recompute of a cached prefix:
+    #   0 (exact)     N * (W - 1) tokens: the logits of a miss, up to kernel order (381 for the
+    #                 default pair: 3 sliding layers, W = 128);
+    #   n > 0         bounded to n tokens (DeepSeek-V4.1 keeps 140): an approximation;
+    #   "auto"        bounded to the window + the look-back, (1 + gamma) rows per verify window
+    #                 ahead of the frontier (1 window synchronous, 2 overlapped): for the default
+    #                 pair (W = 128, gamma = 5) 140 on CUDA (overlapped), 134 on CPU (synchronous).
+    # Never more than exact. 0 stays the default: the approximation is a deployment's choice.
     swa_replay_tokens: int | str = 0      # 0 = exact, n = bounded to n tokens, "auto" = window + look-back
+    # SWA snapshots: a finished request's sliding-window KV (the last W positions of every sliding
+    # layer, ceil(W / block_size) + 1 blocks) kept for a follow-up, which then replays nothing.
+    # Eviction: the oldest snapshot goes first, when the pool is full, when a live request needs
+    # a sliding block (snapshots never cause a preemption), and after the TTL. A miss (evicted,
+    # expired, or never saved) falls back to swa_replay_tokens.
+    swa_snapshots: int = 0                # most snapshots kept at once (entries); 0 = off
+    swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
     # --- batching ---
     max_num_seqs: int = 64                # most requests running at once
     max_num_batched_tokens: int = 2048    # token budget of one forward (prefill chunks + decode + verify)
@@ -176,6 +414,7 @@ class EngineConfig:
     cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
     verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
     verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
+    coupled_sampling: bool = False        # drafts and verification share the target's noise: the same tokens with speculation on or off
     # --- execution (walkthrough 10 and 11) ---
     cuda_graphs: bool = True              # replay decode steps from CUDA graphs (CUDA and the triton backend only)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -183,11 +422,24 @@ class EngineConfig:
     graph_token_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     # verify-token tiers per slot count when the verify mode trims: slots + fraction * slots * gamma
     overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; overlap_loop.py)
+    tune_gemm: bool = False               # time the skinny-GEMM kernel (kernels/linear.py) against the library at start-up
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
-    # --- SWA snapshots ---
-    swa_snapshots: int = 0                # finished requests whose sliding-window KV is kept for a follow-up (no replay on a hit); 0 = off
-    swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
+    # --- parallelism ---
+    tensor_parallel_size: int = 1         # processes splitting the target: heads, MLP, vocab (distributed.py)
+    expert_parallel_size: int = 1         # expert groups among those processes for MoE layers (divides the TP size)
+    dist_backend: str = "auto"            # "auto" = nccl on cuda, gloo on cpu
+    dist_timeout_s: float = 120.0         # a collective, or a worker, silent this long is an error
+    # --- EPLB (eplb.py, walkthrough 12): expert load recorder, redundant experts, rebalancing ---
+    eplb: bool = False                    # record expert load per slot and rebalance replicas (MoE targets only)
+    eplb_interval: int = 1000             # engine steps between rebalances; 0 = record only, never move
+    eplb_window: int = 1000               # steps of load a placement is computed from (a ring buffer)
+    eplb_num_redundant_experts: int = 0   # extra expert slots per MoE layer, for replicas of hot experts
+    eplb_policy: str = "auto"             # "auto" (hierarchical when the groups divide over the nodes) | "hierarchical" | "global"
+    eplb_ep_size: int = 1                 # simulated EP ranks: the slots cut into this many equal groups
+    eplb_num_groups: int = 1              # expert groups of group-limited routing (hierarchical policy)
+    eplb_num_nodes: int = 1               # nodes the ranks are spread over (hierarchical policy)
+    eplb_record: bool = True              # count tokens per slot (False: map to replicas only; a benchmark's control)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -212,6 +464,23 @@ class EngineConfig:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1 or \
+                self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError("tensor_parallel_size and expert_parallel_size must be positive, and the expert "
+                             "parallel size must divide the tensor parallel size")
+        if self.dist_backend not in ("auto", "gloo", "nccl") or self.dist_timeout_s <= 0:
+            raise ValueError("dist_backend must be auto, gloo or nccl, and dist_timeout_s positive")
+        if self.eplb_interval < 0 or self.eplb_window < 1 or self.eplb_num_redundant_experts < 0:
+            raise ValueError("eplb_interval must be >= 0, eplb_window >= 1 and eplb_num_redundant_experts >= 0")
+        if min(self.eplb_ep_size, self.eplb_num_groups, self.eplb_num_nodes) < 1:
+            raise ValueError("eplb_ep_size, eplb_num_groups and eplb_num_nodes must be positive")
+        if self.eplb_policy not in ("auto", "hierarchical", "global"):
+            raise ValueError(f"eplb_policy must be auto, hierarchical or global, not {self.eplb_policy!r}")
+        if self.eplb and self.eplb_interval and not self.eplb_record:
+            raise ValueError("rebalancing (eplb_interval > 0) needs the recorder (eplb_record=True)")
+        if self.eplb and self.tensor_parallel_size > 1:
+            raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
+                             "tensor_parallel_size > 1 yet")
         if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
             self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
         if self.swa_replay_tokens != "auto" and (not isinstance(self.swa_replay_tokens, int)

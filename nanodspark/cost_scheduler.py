@@ -80,6 +80,9 @@ def algorithm1(conf, sps: Callable[[int], float]) -> torch.Tensor:
     """
     c = torch.as_tensor(conf, dtype=torch.float64).cpu().clamp(0.0, 1.0)
     R = c.shape[0]
+    # BEGIN STUDENT cost-scheduler: Algorithm 1: admit the cells of descending_cells(survivals) one by one
+    #   (tau += a, one more verify token) while Theta = tau * sps(B) strictly improves; stop at the first
+    #   non-improvement; return the best windows (int64 [R])
     windows = [0] * R
     best_windows = list(windows)
     tau, batch = float(R), R
@@ -92,6 +95,7 @@ def algorithm1(conf, sps: Callable[[int], float]) -> torch.Tensor:
             break
         best, best_windows = theta, list(windows)
     return torch.tensor(best_windows, dtype=torch.int64)
+    # END STUDENT cost-scheduler
 
 
 # =============================================================================================
@@ -122,6 +126,10 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     full = R * gamma
     if full == 0:
         return 0
+    # BEGIN STUDENT cost-scheduler: the global search: Theta(K) = (R + sum of the K largest lagged
+    #   survivals, those below survival_eps as 0) / T(R, K) for K = 0 .. R*gamma (_step_time_curve); K* =
+    #   the first argmax, kept only if Theta(K*) > (1 + min_gain) * Theta(full), else full; a flat cost
+    #   gives full
     vals = np.sort(np.where(s >= survival_eps, s, 0.0).reshape(-1))[::-1]   # host numpy: no torch dispatch
     tau = R + np.concatenate([[0.0], np.cumsum(vals)])
     times = _step_time_curve(step_time, R, full)
@@ -130,6 +138,7 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     theta = tau / times
     k_best = int(np.argmax(theta))
     return k_best if theta[k_best] > (1.0 + min_gain) * theta[full] else full
+    # END STUDENT cost-scheduler
 
 
 def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
@@ -148,6 +157,10 @@ def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tens
 
 def _topk_windows_torch(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
     """`allocate_windows_topk` with torch ops, on the confidences' device (no host sync)."""
+    # BEGIN STUDENT cost-scheduler: top-K windows with torch ops and no host sync: survival = cumprod of the
+    #   confidences (NaN as 0, clamped to [0, 1]); admit the `budget` cells of largest survival, ties to the
+    #   lower position then the lower request, never a cell of survival 0; window_r = admitted cells of row
+    #   r
     a = torch.cumprod(conf_current.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
     R, gamma = a.shape
     k = max(0, min(int(budget), R * gamma))
@@ -157,10 +170,14 @@ def _topk_windows_torch(conf_current: torch.Tensor, budget: int) -> torch.Tensor
     order = torch.sort(flat, descending=True, stable=True).indices[:k]
     admitted = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, order, True) & (flat > 0)
     return admitted.view(gamma, R).sum(0)
+    # END STUDENT cost-scheduler
 
 
 def _topk_windows_np(conf: np.ndarray, budget: int) -> np.ndarray:
     """`allocate_windows_topk` for host confidences, in numpy (same order and tie-break)."""
+    # BEGIN STUDENT cost-scheduler: the same top-K rule on a host numpy array (what CPU tensors take), int64
+    #   windows; the simplest correct body is return _topk_windows_torch(torch.from_numpy(conf),
+    #   budget).numpy(), the reference's is O(R*gamma) with np.partition
     a = np.cumprod(np.minimum(np.fmax(conf, 0.0), 1.0), axis=1)     # fmax maps NaN to 0
     R, gamma = a.shape
     k = max(0, min(int(budget), R * gamma))
@@ -176,6 +193,7 @@ def _topk_windows_np(conf: np.ndarray, budget: int) -> np.ndarray:
     ties = np.flatnonzero(flat == v)[:k - int(admitted.sum())]
     admitted[ties] = True
     return (admitted & (flat > 0)).reshape(gamma, R).sum(0).astype(np.int64)
+    # END STUDENT cost-scheduler
 
 
 class ConfidenceRelay:

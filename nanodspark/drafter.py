@@ -182,13 +182,19 @@ class Drafter(nn.Module):
         return ctx.ops.add_rmsnorm(x, residual, self.norm)[0]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
+        # BEGIN STUDENT drafter: markov_bias: the low-rank bigram bias W2 W1[prev] of the Markov head
+        #   (float32), 0.0 without one
         return self.markov_w2(self.markov_w1(prev)).float() if self.config.markov_rank else 0.0
+        # END STUDENT drafter
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        # BEGIN STUDENT drafter: confidence_logit: the raw logit of the confidence head on [h ; W1[prev]] (h
+        #   alone without a Markov head), zeros without a confidence head
         if not self.config.confidence:
             return torch.zeros(h.shape[:-1], device=h.device)
         feats = [h] + ([self.markov_w1(prev)] if self.config.markov_rank else [])
         return self.confidence_head(torch.cat(feats, dim=-1)).squeeze(-1).float()
+        # END STUDENT drafter
 
     # -- inference ---------------------------------------------------------------------------
     def inject(self, captured: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
@@ -210,6 +216,9 @@ class Drafter(nn.Module):
         (reserved with the verify window; the injection of committed positions overwrites them
         later), and every block query reads all keys below anchor + gamma: the cached context
         and, bidirectionally, the block itself."""
+        # BEGIN STUDENT drafter: the parallel block pass: blocks [anchor, mask x (gamma-1)] at positions
+        #   anchor_pos .. anchor_pos + gamma - 1, their slots, kv_lens = anchor_pos + gamma, one non-causal
+        #   paged pass through backbone -> [R, gamma, H]
         R, g = anchors.shape[0], self.config.gamma
         dev = anchors.device
         ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=dev)
@@ -220,18 +229,27 @@ class Drafter(nn.Module):
         cu = (torch.arange(R + 1, device=dev) * g).to(torch.int32)
         ctx = PagedAttentionContext(DraftKV(cache), cu, g, {"draft": meta}, ops, causal=False)
         return self.backbone(ids.reshape(-1), pos.reshape(-1), ctx).view(R, g, -1)
+        # END STUDENT drafter
 
     @torch.inference_mode()
     def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
                 block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
-                ops: Ops = TORCH_OPS) -> Draft:
+                ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT) -> Draft:
         """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
         sequential stage, slot by slot: base logits plus the Markov bias of the previous token
         (the anchor for slot 0), the confidence of the slot, and its token. Sampling (st; None =
-        every request greedy) draws slot k with the request's keyed noise on stream DRAFT at the
-        position it proposes, anchor + k + 1. No host sync: this runs inside a CUDA graph."""
+        every request greedy) draws slot k with the request's keyed noise on `stream` (DRAFT; TARGET
+        for coupled drafts, verify.py) at the position it proposes, anchor + k + 1. No host sync:
+        this runs inside a CUDA graph."""
         h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
-        base = self.lm_head(h).float()
+        if type(self.lm_head) is nn.Linear:
+            base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
+        else:                                  # a vocab-parallel head gathers its shards itself
+            base = self.lm_head(h).float()
+        # BEGIN STUDENT drafter: the sequential stage, slot by slot: logits = base[:, k] + the Markov bias
+        #   of the token before (the anchor for k = 0); append the slot's confidence logit to zs, its token
+        #   to toks (argmax; with st, sampled rows draw it by gumbel_argmax on `stream` (STREAM_DRAFT) at
+        #   position anchor_pos + 1 + k) and, with st, its distribution to probs
         prev, toks, probs, zs = anchors, [], [], []
         for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
             logits = base[:, k] + self.markov_bias(prev)
@@ -239,11 +257,12 @@ class Drafter(nn.Module):
             t = logits.argmax(-1)
             if st is not None:
                 p = probs_from_logits(logits, st)
-                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, STREAM_DRAFT)
+                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, stream)
                 t = torch.where(st.temperature < GREEDY_BELOW, t, drawn)
                 probs.append(p)
             toks.append(t)
             prev = t
+        # END STUDENT drafter
         z = torch.stack(zs, 1)
         conf = apply_temperatures(z, self.sts_temperature, self.sts_shift)
         return Draft(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None, z, conf)
@@ -297,10 +316,14 @@ def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anc
     B, A = anchors.shape
     S = ctx_k[0].shape[1]
     dev = anchors.device
+    # BEGIN STUDENT drafter: mask, the block pass's attention pattern [B, 1, A*gamma, S + A*gamma] (True =
+    #   may attend): block (b, a) reads the context positions < anchors[b, a] of its own sequence and its
+    #   own gamma slots both ways, never another block
     ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]           # [B, A, S]
     blk = torch.arange(A, device=dev).repeat_interleave(gamma)
     own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)                              # [B, Ag, Ag]
     mask = torch.cat([ctx_ok.repeat_interleave(gamma, 1), own], dim=2)[:, None]         # [B, 1, Ag, S+Ag]
+    # END STUDENT drafter
 
     def attend(layer, q, k, v, scale):
         def heads(t):  # [B*A*g, H, D] -> [B, H, A*g, D]

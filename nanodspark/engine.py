@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import EngineConfig
-from .detokenizer import detokenize
+from .detokenizer import commit_text
 from .device_state import DeviceState, StateWrites
 from .loader import Tokenizer, load_model, resolve_model_dir
 from .model import KVCache, ops_for
@@ -115,16 +115,38 @@ class PhaseClock:
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | None = None, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | None = None, config: EngineConfig | None = None, parallel=None):
         self.config = cfg = config or EngineConfig()
-        self.device = pick_device(cfg.device)
+        from . import distributed
+        if parallel is None and distributed.wanted(cfg):
+            parallel = distributed.Parallel.start(cfg, model_path)   # spawns the workers (or joins torchrun's)
+        self.parallel = parallel          # None in one process; else this rank's place (distributed.py)
+        try:
+            self._build(model_path, cfg, parallel)
+        except BaseException as e:
+            if parallel is not None and parallel.rank == 0:
+                lost = parallel.lost
+                parallel.abort()
+                if lost is not None and not isinstance(e, distributed.WorkerLost):
+                    raise distributed.WorkerLost(f"{lost} during start-up") from e
+            raise
+        if parallel is not None:
+            parallel.ready(self)          # a worker serves forwards from here and never returns
+
+    def _build(self, model_path, cfg: EngineConfig, parallel) -> None:
+        from .distributed import local_config
+        self.device = parallel.device if parallel is not None else pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         model_dir = resolve_model_dir(model_path)
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device)
+        shard = {} if parallel is None else dict(layout=parallel.layout, tp=parallel.tp)
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, **shard)
         self.model_config = mc = self.model.config
+        # the attention of this rank (its own heads): what its KV cache holds
+        self.kv_config = mc if parallel is None else local_config(mc, parallel.layout)
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_id) if (model_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        mc.check_max_model_len(self.max_model_len)      # dynamic RoPE: exact only up to max_position_embeddings
         self.backend = cfg.attention_backend
         if self.backend == "auto":
             self.backend = "triton" if self.device.type == "cuda" else "torch"
@@ -139,8 +161,15 @@ class LLMEngine:
             self.model.fuse()
             if drafter is not None:
                 drafter.fuse()
+        self.eplb = None                      # expert load balancing (eplb.py): widens the MoE layers
+        if cfg.eplb:                          # before anything captures them
+            from .eplb import ExpertBalancer
+            self.eplb = ExpertBalancer(self.model, cfg, self.device)
         num_blocks = self._num_kv_blocks(drafter)
-        self.kv_cache = KVCache(mc, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size, self.dtype, self.device)
+        if parallel is not None:              # rank 0 allocates blocks every rank must have
+            num_blocks = parallel.min_int(num_blocks)
+        self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
+                                self.dtype, self.device)
         managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
                     for g in self.kv_cache.layout}
         draft_cache = None
@@ -160,9 +189,12 @@ class LLMEngine:
         self.writes = StateWrites()
         self.verify_mode = VerifyMode.parse(cfg.verify_mode)
         from .speculative import SpecStep
-        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache)
+        tp = parallel.tp if parallel is not None else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache,
+                                  tp=tp)
         spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
-                        drafter, draft_cache)
+                        drafter, draft_cache, tp=tp)
+        spec.coupled = cfg.coupled_sampling
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions)
@@ -176,8 +208,21 @@ class LLMEngine:
         self.clock = PhaseClock()
         from .overlap_loop import OverlapLoop, SyncLoop
         self.loop = OverlapLoop(self) if overlapped else SyncLoop(self)
+        if self.device.type == "cuda" and self.backend == "triton":
+            self._tune_gemms()
         if use_graphs:
             self.executor.graphs.capture([(True, False), (False, False)], progress=cfg.use_tqdm)
+
+    def _tune_gemms(self) -> None:
+        """Record the GEMM shapes of every decode tier and let the skinny kernel take those it
+        runs faster (kernels/linear.py); before capture, so the graphs hold the choice."""
+        lin = self.ops.linear
+        if not self.config.tune_gemm or not hasattr(lin, "tune"):
+            return
+        lin.recording = set()
+        self.executor.graphs.warm([(True, False)])
+        shapes, lin.recording = lin.recording, None
+        lin.tune(shapes, self.device)
 
     def _load_drafter(self, model_dir):
         from .drafter import Drafter
@@ -206,7 +251,7 @@ class LLMEngine:
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain))
 
     def _num_kv_blocks(self, drafter=None) -> int:
-        cfg, mc = self.config, self.model_config
+        cfg, mc = self.config, self.kv_config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         n_layers = mc.num_hidden_layers + (drafter.config.num_layers if drafter is not None else 0)
@@ -321,6 +366,8 @@ class LLMEngine:
         reqs = sp.decode + [r for r, c in zip(sp.chunk_owners, sp.chunks) if c.sample]
         sp.greedy_only = all(r.params.greedy for r in reqs)
         sp.truncates = any(r.params.truncates for r in reqs)
+        if self.parallel is not None:         # rank 0 sends the step, every rank runs it (distributed.py)
+            return self.parallel.launch(self, w, sp)
         self.state.apply(w)
         return self.executor.launch(sp)
 
@@ -349,6 +396,9 @@ class LLMEngine:
                 req.decode_inflight -= 1
             if req.status == Status.FINISHED:
                 continue                      # finished (or aborted) while this step was in flight
+            if not c.finite:                  # this request's numbers broke: it fails, the batch goes on
+                outs.append(self._finish(req, "error", error="the model produced non-finite logits for this request"))
+                continue
             if c.verify is not None:
                 req.num_computed += c.advanced
                 self._count(req, c.verify)
@@ -359,7 +409,7 @@ class LLMEngine:
 
     @property
     def observers(self) -> list:
-        return [o for o in (self.windows, self.metrics, *self.extra_observers) if o is not None]
+        return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
     def _count(self, req: Request, v) -> None:
         s = req.spec
@@ -399,9 +449,9 @@ class LLMEngine:
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 bm.commit(t, req.ids(start, req.num_computed), start)
-        delta, stop_hit = detokenize(self.tokenizer, req, accepted, final=reason is not None)
-        if stop_hit:
-            reason = "stop"
+        delta, stop_hit, keep = commit_text(self.tokenizer, req, accepted, final=reason is not None)
+        if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from output_ids
+            reason, accepted = "stop", accepted[:keep]
         if reason:
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
@@ -423,7 +473,12 @@ class LLMEngine:
         if reason in ("abort", "error") and req.text:
             delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
-                             len(req.output_ids), req.spec.as_dict())
+                             len(req.output_ids), req.spec.as_dict(), error)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op in one process; also runs at exit)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the server calls this once it has answered)."""
@@ -439,6 +494,10 @@ class LLM:
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (`tensor_parallel_size > 1`)."""
+        self.engine.shutdown()
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield the `RequestOutput`s of one request as its tokens are committed (a verify step

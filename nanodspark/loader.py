@@ -4,15 +4,22 @@ Load: `config.json` -> `ModelConfig`; tensors from `model.safetensors` or the sh
 `model.safetensors.index.json`; Hugging Face key names. The per-expert MoE keys
 (`mlp.experts.{e}.gate_proj.weight`) are stacked into our `[E, out, in]` parameters.
 Save: the inverse, in shards of at most `max_shard_bytes` with an index.
+Tensor / expert parallel (`load_sharded`): each rank builds its local shapes and reads only its
+slices of each tensor through safetensors' `get_slice`, so no rank ever holds the whole model.
 
 Invariants: every parameter of the model is filled exactly once, with the right shape, or
 loading fails with a message naming the tensor; pickle (`.bin`, `.pt`) is never read.
 Tokenizer: `tokenizer.json` through the `tokenizers` library, ChatML chat formatting, and the
 set of ids that end a generation.
+
+Check: `check_checkpoint(dir)` (command line: `python -m nanodspark.check DIR`) reads only
+`config.json` and says which fields are honoured, ignored or refused (`config.check_config`).
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -20,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import ConfigCheck, ModelConfig, check_config
 from .model import CausalLM
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
@@ -97,8 +104,11 @@ def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> CausalLM:
+               device: str | torch.device = "cpu", layout=None, tp=None) -> CausalLM:
+    """The whole model; with a `distributed.Layout`, this rank's shard (`load_sharded`)."""
     model_dir = resolve_model_dir(path)
+    if layout is not None:
+        return load_sharded(model_dir, layout, tp, dtype, device)
     cfg = ModelConfig.from_json(model_dir)
     tensors = stack_experts(read_tensors(model_dir))
     if cfg.tie_word_embeddings:
@@ -125,6 +135,73 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     for moe in model.moe_layers():  # buffers are not in the checkpoint
         moe.expert_load = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
     return model.to(dtype).eval()
+
+
+def load_sharded(model_dir: Path, layout, tp=None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", stats: dict | None = None) -> CausalLM:
+    """Rank `layout.rank`'s part of the model (distributed.py says what each rank holds).
+
+    The model is built on the meta device, given its local shapes (`shard_model`), allocated,
+    and filled slice by slice: `plan_reads` says which rows or columns of each checkpoint
+    tensor this rank needs, and `get_slice` reads just those bytes. Tensors of other ranks
+    (other experts, another rank's bias) are not opened. `stats` (if given) receives
+    `elements_read`, `checkpoint_elements` and `local_elements`."""
+    from .distributed import plan_reads, shard_model
+    cfg = ModelConfig.from_json(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+        shard_model(model, layout, tp)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.requires_grad_(False).zero_()             # vocab padding rows stay zero
+    pieces = {k: (p.shape[0] if k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) else 1)
+              for k, p in params.items()}
+    read = total = 0
+    unexpected = []
+    for f in safetensor_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            keys = list(sf.keys())
+            plan = plan_reads(cfg, layout, keys, set(params))
+            for k in keys:
+                sl = sf.get_slice(k)
+                shape = tuple(sl.get_shape())
+                total += math.prod(shape)
+                if k not in plan:
+                    unexpected.append(k)
+                    continue
+                r = plan[k]
+                if r is None:
+                    continue                        # another rank's
+                dest = params[r.param] if r.index is None else params[r.param][r.index]
+                if r.dim is None:
+                    t = sl[:]
+                elif r.stop <= r.start:
+                    t = None                        # a vocab shard wholly past the vocabulary
+                else:
+                    t = sl[r.start:r.stop] if r.dim == 0 else sl[:, r.start:r.stop]
+                if t is not None:
+                    want = list(dest.shape)
+                    if r.param in ("model.embed_tokens.weight", "lm_head.weight"):
+                        want[0] = t.shape[0]        # the last vocab shard is padded
+                    if list(t.shape) != want:
+                        raise CheckpointError(f"{model_dir}: tensor {k} gives rank {layout.rank} a slice of shape "
+                                              f"{tuple(t.shape)}, the config implies {tuple(want)}")
+                    dest[:t.shape[0]].copy_(t)
+                    read += t.numel()
+                pieces[r.param] -= 1
+    missing = sorted(k for k, n in pieces.items() if n > 0)
+    if missing or unexpected:
+        raise CheckpointError(f"{model_dir}: checkpoint does not match the {cfg.architecture} config: "
+                              f"missing {missing[:8]}, unexpected {sorted(unexpected)[:8]}")
+    for moe in model.moe_layers():
+        moe.expert_load = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
+    if stats is not None:
+        stats.update(elements_read=read, checkpoint_elements=total,
+                     local_elements=sum(p.numel() for p in params.values()))
+    return model.eval()
 
 
 def save_model(model: CausalLM, out_dir: str | Path, max_shard_bytes: int = 16 * 2**20,
@@ -189,6 +266,21 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """The ids of `encode`, computed with the interpreter lock released: `tokenizers` holds
+        the lock through `encode` but drops it in its batch path, so a worker thread that
+        tokenizes a long text this way does not stop the other threads (the server's event loop)."""
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest vocabulary
+        entry (a byte-level entry has one character per byte, and a text character is at least
+        a byte), times 4 if a normaliser could fold several characters into one. A text longer
+        than `n * longest_token_chars` characters has more than `n` tokens."""
+        longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self.tok.normalizer is not None else 1)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -203,3 +295,20 @@ class Tokenizer:
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- the loader check
+def check_checkpoint(path: str | Path) -> ConfigCheck:
+    """Read only `config.json` (and list the weight files): what would load, what is refused."""
+    model_dir = resolve_model_dir(path)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    report = check_config(json.loads(cfg_path.read_text()))
+    try:
+        files = safetensor_files(model_dir)
+        report.rows.append(("(weights)", "honoured", f"{len(files)} safetensors file(s), not read by the check"))
+    except CheckpointError as e:
+        report.rows.append(("(weights)", "refused", str(e)))
+    return report
+

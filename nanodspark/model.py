@@ -16,12 +16,17 @@ RMSNorm; LM head (tied or not). Per-layer attention type comes from `layer_types
 (`full_attention` / `sliding_attention`).
 
 Invariants. The MoE experts of a layer are stored stacked (`[E, out, in]`); the loader maps
-them to and from the per-expert Hugging Face keys. `MoE.expert_load` counts tokens routed to
-each expert while `record_load` is on (EPLB reads it). No module-level mutable state.
+them to and from the per-expert Hugging Face keys. EPLB (eplb.py) may widen a layer to more
+expert slots than logical experts (replicas of hot experts) and give it a `ReplicaMap` that
+sends each (token, expert) to one replica's slot; `MoE.expert_load` counts the tokens routed
+to each slot while `record_load` is on. No module-level mutable state.
+Tensor parallel (distributed.py): the loader gives the modules local shapes; the forward sums
+partial outputs with `tp_reduce` after o_proj, down_proj and the MoE, over `ctx.tp`.
 Checked against `transformers` in `tests/test_model.py`. Walkthrough chapter 01.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,12 +51,96 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables `[T, head_dim]` for the rotate-half RoPE layout, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+class RotaryEmbedding:
+    """A config's RoPE, computed once: inverse frequencies (fp32) and the scale of cos/sin.
+
+    Types as in transformers 5 (`ModelConfig.rope_type`; the formulas of its RoPE utilities):
+    default; linear (positions divided by `factor`); dynamic (NTK: plain RoPE up to
+    max_position_embeddings, the only range served, `ModelConfig.check_max_model_len`); llama3
+    (low frequencies divided by `factor`, high ones kept, a smooth ramp between, by wavelength
+    against the original context); yarn (per-frequency blend of interpolation and extrapolation
+    over a ramp set by beta_fast/beta_slow, and cos/sin scaled by its attention factor, mscale).
+    None of them depends on the positions, so a forward only multiplies positions by a cached
+    tensor: no host sync, nothing recomputed (CUDA-graph safe once a first, eager forward has put
+    the table on the device).
+    """
+
+    def __init__(self, head_dim: int, theta: float, rope_type: str = "default", params: dict | None = None):
+        p = params or {}
+        # explicit device: models are built under torch.device("meta") by the loader
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        scale = 1.0
+        if rope_type == "linear":
+            inv_freq = inv_freq / p["factor"]
+        elif rope_type == "llama3":
+            factor, lo, hi, old = (p[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"))
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+            inv_freq = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        elif rope_type == "yarn":
+            inv_freq, scale = _yarn(head_dim, theta, p)
+        elif rope_type not in ("default", "dynamic"):
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        self.inv_freq, self.attention_scaling = inv_freq, float(scale)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        t = self._on_device.get(device)
+        if t is None:
+            t = self._on_device[device] = self.inv_freq.to(device)
+        return t
+
+
+def _yarn(dim: int, theta: float, p: dict) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies and attention factor (transformers' `_compute_yarn_parameters`)."""
+    factor, old = p["factor"], p["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):   # the dimension whose wavelength makes `rotations` turns in `old`
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, attn
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 rope: RotaryEmbedding | None = None):
+    """cos/sin tables `[T, head_dim]` for the rotate-half RoPE layout, computed in fp32.
+
+    rope: a model's `RotaryEmbedding` (scaled frequencies and cos/sin scale, precomputed); None
+    = plain RoPE of `theta` (the drafter). Device work only: positions never leave the device."""
+    if rope is None:
+        inv_freq, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                                        dtype=torch.float32) / head_dim)), 1.0
+    else:
+        inv_freq, scale = rope.inv_freq_on(positions.device), rope.attention_scaling
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,10 +175,10 @@ class Attention(nn.Module):
         self.qkv_bias = None if self.q_proj.bias is None else torch.cat(
             [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, ops: "Ops") -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D]: q heads, then k heads, then v heads."""
         if self.qkv_weight is not None:
-            return F.linear(x, self.qkv_weight, self.qkv_bias)
+            return ops.linear(x, self.qkv_weight, self.qkv_bias)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def split_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -103,8 +192,16 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
-        o = ctx.attend(self, self.project(x), cos, sin)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        o = ctx.attend(self, self.project(x, ctx.ops), cos, sin)
+        return tp_reduce(ctx.ops.linear(o.reshape(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias), ctx)
+
+
+def tp_reduce(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Sum a row-parallel block's partial outputs over the tensor-parallel ranks: the group the
+    forward's attention context carries (`ctx.tp`, distributed.py). A no-op in one process and
+    for contexts without a group (the drafter's own layers are replicated)."""
+    tp = getattr(ctx, "tp", None)
+    return x if tp is None else tp.all_reduce(x)
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -132,12 +229,15 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx):
         if self.gate_up_weight is not None:
-            return self.down_proj(ctx.ops.silu_mul(F.linear(x, self.gate_up_weight)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return tp_reduce(ctx.ops.linear(ctx.ops.silu_mul(ctx.ops.linear(x, self.gate_up_weight)),
+                                            self.down_proj.weight), ctx)
+        return tp_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), ctx)
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked: gate/up `[E, I, H]`, down `[E, H, I]`."""
+    """E SwiGLU experts stored stacked: gate/up `[E, I, H]`, down `[E, H, I]`. Row e is expert
+    slot e: the logical expert e, or, once EPLB has widened the layer, whichever replica the
+    placement put there (eplb.py)."""
 
     def __init__(self, n: int, hidden: int, inter: int):
         super().__init__()
@@ -149,7 +249,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k experts, optional renormalisation of the top-k weights."""
+    """Softmax router, top-k experts, optional renormalisation of the top-k weights.
+
+    With EPLB (eplb.py) `replicas` maps the router's logical ids to physical expert slots and
+    counts the pairs per slot into `expert_load`; without, slot e is expert e."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -158,8 +261,13 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.record_load = False
+        self.ep = None            # expert parallel: this rank's ExpertShard (distributed.py)
+        self.replicas = None      # EPLB: an eplb.ReplicaMap, logical expert -> physical slot (None: identity)
 
-    def route(self, x: torch.Tensor):
+    def route(self, x: torch.Tensor, ops: "Ops | None" = None):
+        if ops is not None and ops.route_topk is not None:    # the same, fused (kernels/moe.py)
+            weights, ids = ops.route_topk(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk)
+            return weights.to(x.dtype), ids
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -167,12 +275,16 @@ class MoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        weights, ids = self.route(x)
-        if self.record_load:   # on the device, no host sync (a scatter, not a bincount)
+        weights, ids = self.route(x, ctx.ops)
+        if self.replicas is not None:    # EPLB: each (token, expert) to a replica's slot, counted there
+            ids = self.replicas(ids, ctx)
+        elif self.record_load:   # on the device, no host sync (a scatter, not a bincount)
             flat = ids.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
+        if self.ep is not None:
+            ids, weights = self.ep.localize(ids, weights)
         w = self.experts
-        return ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj)
+        return tp_reduce(ctx.ops.experts(x, ids, weights, w.gate_proj, w.up_proj, w.down_proj), ctx)
 
 
 def torch_experts(x, ids, weights, w_gate, w_up, w_down) -> torch.Tensor:
@@ -243,6 +355,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
+        self.rotary = RotaryEmbedding.from_config(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -250,7 +363,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
                 capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype, self.rotary)
         captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, ctx)
@@ -265,8 +378,11 @@ class CausalLM(nn.Module):
                 layer.fuse()
         return self
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, ops: "Ops | None" = None) -> torch.Tensor:
+        # a vocab-parallel head (distributed.py) gathers its shards in its own forward
+        if ops is None or type(self.lm_head) is not nn.Linear:
+            return self.lm_head(hidden).float()
+        return ops.linear(hidden, self.lm_head.weight).float()
 
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
@@ -328,6 +444,8 @@ class Ops:
     paged_attention: Callable    # kernels.paged_attention's contract
     silu_mul: Callable           # gate_up [T, 2I] -> silu(gate) * up
     experts: Callable            # (x, ids, weights, w_gate, w_up, w_down) -> [T, H]
+    linear: Callable = F.linear  # (x, w, b=None) -> x @ w.T + b
+    route_topk: Callable | None = None   # (router logits, k, renorm) -> (weights fp32, ids); None: torch
 
 
 def _torch_add_rmsnorm(x, residual, norm: RMSNorm):
@@ -370,7 +488,9 @@ TORCH_OPS = Ops("torch", _torch_add_rmsnorm, _torch_norm_rope_store, _torch_kv_n
 def triton_ops() -> Ops:
     from kernels import paged_attention
     from kernels.fused import add_rmsnorm, qk_norm_rope_store, silu_mul
-    from kernels.moe import fused_moe
+    from kernels.linear import SkinnyLinear
+    from kernels.moe import fused_moe, route_topk
+    linear = SkinnyLinear()      # the library's GEMM until `linear.tune` finds faster shapes
 
     def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, slots):
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
@@ -381,7 +501,7 @@ def triton_ops() -> Ops:
     def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
         D = attn.n_heads * attn.head_dim
         if attn.qkv_weight is not None:    # the k and v rows of the fused weight: one GEMM
-            kv = F.linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
+            kv = linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
         else:
             kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], dim=-1)
         kn = attn.k_norm.weight if attn.k_norm is not None else None
@@ -389,7 +509,7 @@ def triton_ops() -> Ops:
         qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, slots, 0, attn.n_kv, attn.head_dim)
 
     return Ops("triton", lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
-               kv_norm_rope_store, paged_attention, silu_mul, fused_moe)
+               kv_norm_rope_store, paged_attention, silu_mul, fused_moe, linear, route_topk)
 
 
 def ops_for(backend: str) -> Ops:
@@ -409,6 +529,7 @@ class PagedAttentionContext:
     groups: dict[str, GroupMeta]
     ops: Ops = TORCH_OPS
     causal: bool = True
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
@@ -426,6 +547,7 @@ class DenseAttentionContext:
     batch: int
     seq: int
     ops: Ops = TORCH_OPS
+    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         q, k, v = attn.split_norm_rope(qkv, cos, sin)

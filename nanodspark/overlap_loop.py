@@ -33,6 +33,8 @@ the moment the host reads it moves. `SyncLoop` is the reference: launch, wait, c
 """
 from __future__ import annotations
 
+from torch.profiler import record_function
+
 from .scheduler import Drain
 
 
@@ -46,15 +48,19 @@ class SyncLoop:
     def step(self):
         eng = self.engine
         eng.clock.start()
-        plan = eng.schedule()
+        with record_function("schedule"):
+            plan = eng.schedule()
         eng.clock.lap("schedule")
         if not plan:
             return []
-        handle = eng.launch(plan)
+        with record_function("launch"):
+            handle = eng.launch(plan)
         eng.clock.lap("launch")
-        result = handle.result()
+        with record_function("wait"):
+            result = handle.result()
         eng.clock.lap("wait")
-        outs = eng.commit(result)
+        with record_function("commit"):
+            outs = eng.commit(result)
         eng.clock.lap("commit")
         eng.clock.steps += 1
         return outs
@@ -71,32 +77,44 @@ class OverlapLoop:
         self.pending = None          # the StepHandle in flight
 
     def step(self):
+        # BEGIN STUDENT overlap: OverlapLoop.step: schedule step n+1 (on Drain, commit the step in flight
+        #   first, then schedule again), launch it if there is anything to run, then commit step n (the one
+        #   pending), keep n+1 pending; return the outputs committed; clock laps schedule and launch, steps
+        #   += 1 per launch
         eng = self.engine
         eng.clock.start()
         outs = []
-        try:
-            plan = eng.schedule()
-        except Drain:                # a preemption needs the step in flight committed first
-            outs = self._commit_pending()
-            plan = eng.schedule()
+        with record_function("schedule"):
+            try:
+                plan = eng.schedule()
+            except Drain:            # a preemption needs the step in flight committed first
+                outs = self._commit_pending()
+                plan = eng.schedule()
         eng.clock.lap("schedule")
-        handle = eng.launch(plan) if plan else None
+        with record_function("launch"):
+            handle = eng.launch(plan) if plan else None
         eng.clock.lap("launch")
         outs += self._commit_pending()
         self.pending = handle
         if handle is not None:
             eng.clock.steps += 1
         return outs
+        # END STUDENT overlap
 
     def _commit_pending(self):
+        # BEGIN STUDENT overlap: _commit_pending: wait for the step in flight (its result) and commit it,
+        #   clearing pending; clock laps wait and commit; [] when nothing is in flight
         if self.pending is None:
             return []
         handle, self.pending = self.pending, None
-        result = handle.result()
+        with record_function("wait"):
+            result = handle.result()
         self.engine.clock.lap("wait")
-        outs = self.engine.commit(result)
+        with record_function("commit"):
+            outs = self.engine.commit(result)
         self.engine.clock.lap("commit")
         return outs
+        # END STUDENT overlap
 
     def forget(self) -> None:
         """Drop the step in flight (after an engine-wide failure)."""

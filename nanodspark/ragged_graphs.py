@@ -58,6 +58,9 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
     """Lay R requests' `rows` [R] (int64, sum <= tokens) out in `tokens` packed rows, on the
     device with no host sync. Example: rows [2, 1, 4], tokens 8 -> cu [0, 2, 3, 7], row_req
     [0, 0, 1, 2, 2, 2, 2, 2], row_off [0, 1, 0, 0, 1, 2, 3, 0], the last row padding."""
+    # BEGIN STUDENT ragged-graphs: pack_rows: cu_seqlens (int32 [R + 1], a cumulative sum), each of the
+    #   `tokens` rows' request (searchsorted; padding rows: the last request), offset inside its window
+    #   (padding: 0) and validity, with tensor ops only (no host sync)
     R = rows.shape[0]
     cu = torch.zeros(R + 1, dtype=torch.long, device=rows.device)
     cu[1:] = torch.cumsum(rows, 0)
@@ -66,10 +69,14 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
     valid = t < cu[-1]
     row_off = torch.where(valid, t - cu[row_req], 0)
     return Layout(cu.to(torch.int32), row_req, row_off, valid)
+    # END STUDENT ragged-graphs
 
 
 def tier_list(batch_sizes, gamma: int, fractions=(1.0,), max_slots: int | None = None) -> list[tuple[int, int]]:
     """(slots, tokens) tiers: for each slot count b, tokens b + ceil(f * b * gamma) per fraction."""
+    # BEGIN STUDENT ragged-graphs: tier_list: for each slot count b <= max_slots and each fraction f, the
+    #   tier (b, b + ceil(f * b * gamma)) (computed in thousandths so that 0.5 * 4 * 4 is exactly 8);
+    #   sorted, without duplicates
     tiers = set()
     for b in batch_sizes:
         if max_slots is not None and b > max_slots:
@@ -77,12 +84,16 @@ def tier_list(batch_sizes, gamma: int, fractions=(1.0,), max_slots: int | None =
         for f in fractions:
             tiers.add((b, b + -(-int(round(f * b * gamma * 1000)) // 1000)))
     return sorted(tiers)
+    # END STUDENT ragged-graphs
 
 
 def pick_tier(tiers: list[tuple[int, int]], requests: int, tokens: int) -> tuple[int, int] | None:
     """The smallest tier holding `requests` slots and `tokens` rows (fewest tokens, then slots)."""
+    # BEGIN STUDENT ragged-graphs: pick_tier: of the tiers with >= requests slots and >= tokens rows, the
+    #   one with fewest tokens, then fewest slots; None if none fits
     fits = [t for t in tiers if t[0] >= requests and t[1] >= tokens]
     return min(fits, key=lambda t: (t[1], t[0])) if fits else None
+    # END STUDENT ragged-graphs
 
 
 class StaticInputs:
@@ -149,6 +160,14 @@ class RaggedGraphs:
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def warm(self, variants) -> None:
+        """Run every tier once eagerly on padding inputs (compiles kernels; lets a caller record
+        the shapes a decode step uses, e.g. to tune its GEMMs before capture)."""
+        for tier in self.tiers:
+            for v in variants:
+                self.inputs.write([], self.scratch, tier[0], [], 0, False, 0)
+                self.step_fn(self.inputs.views(tier[0]), tier[1], *v)
 
     def _capture(self, tier, variant) -> None:
         slots, tokens = tier

@@ -124,6 +124,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     spec: dict
+    error: str | None = None          # why the engine failed it (finish_reason "error")
 
 
 @dataclass

@@ -40,14 +40,15 @@ class Chunk:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, state: DeviceState, ops: Ops, block_size: int,
-                 drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None):
-        self.model, self.kv_cache, self.state, self.ops = model, kv_cache, state, ops
+                 drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None, tp=None):
+        self.model, self.kv_cache, self.state, self.ops, self.tp = model, kv_cache, state, ops, tp
         self.block_size, self.drafter, self.draft_cache = block_size, drafter, draft_cache
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
     @torch.inference_mode()
     def prefill(self, chunks: list[Chunk], truncates: bool = False) -> torch.Tensor:
-        """Run the chunks; returns the tokens sampled for the chunks with `sample` (device, in order)."""
+        """Run the chunks; returns the tokens sampled for the chunks with `sample` (device, in order),
+        followed by one flag per sampled chunk: 1 if its logits were finite."""
         ids, pos, row_req, skip, cu = [], [], [], [], [0]
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
@@ -72,7 +73,7 @@ class ModelRunner:
                 slot = torch.where(skip_d, -1, slot)
             groups[name] = GroupMeta(bt, slot, kv_lens, st.kv_start[slots_d] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, h2d(cu, torch.int32, dev), max(len(c.token_ids) for c in chunks),
-                                    groups, self.ops)
+                                    groups, self.ops, tp=self.tp)
         out = self.model(ids_d, pos_d, ctx, self.capture)
         if self.drafter is not None:
             slot = row_slots(st.tables["draft"][slots_d], req_d, pos_d, self.block_size)
@@ -84,8 +85,8 @@ class ModelRunner:
         ss = h2d([c.slot for c in chunks if c.sample], torch.long, dev)
         samp = st.sampling(ss, truncates)
         nxt_pos = pos_d[rows] + 1
-        tok = sample_from_probs(probs_from_logits(self.model.compute_logits(out.hidden[rows]), samp), samp,
-                                nxt_pos, STREAM_TARGET)
+        logits = self.model.compute_logits(out.hidden[rows], self.ops)
+        tok = sample_from_probs(probs_from_logits(logits, samp), samp, nxt_pos, STREAM_TARGET)
         st.last_token[ss] = tok
         st.seq_len[ss] = nxt_pos
-        return tok
+        return torch.cat([tok, torch.isfinite(logits).all(-1).long()])   # tokens, then finite flags

@@ -29,6 +29,7 @@ from .device_state import DeviceState
 from .drafter import Drafter, row_slots
 from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
 from .ragged_graphs import pack_rows
+from .sampling import STREAM_DRAFT, STREAM_TARGET
 from .verify import VerifyMode, verify_batch
 
 
@@ -54,10 +55,11 @@ class DecodeOut:
     ceiling: torch.Tensor      # int64 [R]: drafts a full-block verify accepted (cap-accept)
     conf: torch.Tensor         # float32 [R, gamma]: calibrated conditional confidences
     conf_logits: torch.Tensor  # float32 [R, gamma]: raw confidence logits (calibration records)
+    finite: torch.Tensor       # int64 [R]: 1 if every logit row of the request was finite
 
     def fields(self) -> list[torch.Tensor]:
         return [self.tokens, self.drafts, self.count, self.windows, self.verified, self.ceiling, self.conf,
-                self.conf_logits]
+                self.conf_logits, self.finite]
 
 
 def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, trim: torch.Tensor,
@@ -79,12 +81,15 @@ def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
 
 class SpecStep:
     def __init__(self, model: CausalLM, kv_cache: KVCache, state: DeviceState, ops: Ops, block_size: int,
-                 mode: VerifyMode, drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None):
+                 mode: VerifyMode, drafter: Drafter | None = None, draft_cache: torch.Tensor | None = None,
+                 tp=None):
         self.model, self.kv_cache, self.state, self.ops, self.block_size = model, kv_cache, state, ops, block_size
+        self.tp = tp                    # the tensor-parallel group the target's forward reduces over
         self.mode, self.drafter, self.draft_cache = mode, drafter, draft_cache
         self.gamma = drafter.config.gamma if drafter is not None else 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.propose_override = None    # tests: fn(slots, anchors, anchor_pos) -> Draft (eager only)
+        self.coupled = False            # coupled drafts and verification (verify.verify_batch)
 
     @torch.inference_mode()
     def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool) -> DecodeOut:
@@ -103,7 +108,8 @@ class SpecStep:
                 d = self.propose_override(b.slots, anchors, anchor_pos)
             else:
                 d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
-                                         self.block_size, samp, self.ops)
+                                         self.block_size, samp, self.ops,
+                                         STREAM_TARGET if self.coupled else STREAM_DRAFT)
             drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
         # choose windows
         windows = choose_windows(conf, active, b.budget, b.trim, b.window_cap)
@@ -124,13 +130,15 @@ class SpecStep:
             slot = row_slots(bt, lay.row_req, pos, self.block_size)
             groups[name] = GroupMeta(bt, torch.where(lay.row_valid, slot, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
-        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops)
+        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
-        logits = self.model.compute_logits(out.hidden)
+        logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
+        # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
+        finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
         verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
-                               anchor_pos, verified, cap, greedy_only)
+                               anchor_pos, verified, cap, greedy_only, self.coupled)
         # accept: the new anchor and length, on the device
         count = torch.where(active, verdict.accepted + 1, 0)
         bonus = verdict.tokens.gather(1, verdict.accepted[:, None])[:, 0]
@@ -140,4 +148,4 @@ class SpecStep:
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
             slot = row_slots(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
             self.drafter.inject(out.captured, pos, torch.where(committed, slot, -1), self.draft_cache, self.ops)
-        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, conf, conf_logits)
+        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, conf, conf_logits, finite)

@@ -56,6 +56,7 @@ class Commit:
     tokens: list[int]                 # new tokens, in order (the first may end the request)
     advanced: int                     # rows whose KV became valid (prefill rows, or 1 + accepted)
     verify: "VerifyStats | None" = None
+    finite: bool = True               # False: the request's logits held a NaN or inf (it fails alone)
 
 
 @dataclass
@@ -94,23 +95,25 @@ class StepHandle:
             self.event.synchronize()
         plan, g = self.plan, self.gamma
         sampled, ints, floats = (t.tolist() for t in self.host)
+        n_s = len(sampled) // 2                    # tokens, then their finite flags
         commits, j = [], 0
         for c, req in zip(plan.chunks, plan.chunk_owners):
             tokens = [sampled[j]] if c.sample else []
+            ok = bool(sampled[n_s + j]) if c.sample else True
             j += c.sample
-            commits.append(Commit(req, tokens, len(c.token_ids)))
+            commits.append(Commit(req, tokens, len(c.token_ids), None, ok))
         R = len(plan.decode)
         if R:
-            Rp = len(ints) // (2 * g + 5)
+            Rp = len(ints) // (2 * g + 6)
             toks, drafts = ints[:Rp * (g + 1)], ints[Rp * (g + 1):Rp * (2 * g + 1)]
             base = Rp * (2 * g + 1)
-            count, windows, verified, ceiling = (ints[base + i * Rp:base + (i + 1) * Rp] for i in range(4))
+            count, windows, verified, ceiling, finite = (ints[base + i * Rp:base + (i + 1) * Rp] for i in range(5))
             conf, conf_logits = floats[:Rp * g], floats[Rp * g:]
             for r, req in enumerate(plan.decode):
                 n = count[r]
                 vs = VerifyStats(windows[r], verified[r], max(n - 1, 0), ceiling[r], conf[r * g:(r + 1) * g],
                                  conf_logits[r * g:(r + 1) * g], drafts[r * g:(r + 1) * g])
-                commits.append(Commit(req, toks[r * (g + 1):r * (g + 1) + n], n, vs))
+                commits.append(Commit(req, toks[r * (g + 1):r * (g + 1) + n], n, vs, bool(finite[r])))
         wp = plan.windows
         return StepResult(commits, self.step, wp.predicted_step_time if wp else float("nan"),
                           time.perf_counter() - self.t0, self.tier)
@@ -119,7 +122,7 @@ class StepHandle:
 def pack_out(out: DecodeOut) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode outputs as one int64 and one float32 tensor (two device-to-host copies)."""
     ints = torch.cat([out.tokens.reshape(-1), out.drafts.reshape(-1), out.count, out.windows, out.verified,
-                      out.ceiling])
+                      out.ceiling, out.finite])
     floats = torch.cat([out.conf.reshape(-1), out.conf_logits.reshape(-1)])
     return ints, floats
 

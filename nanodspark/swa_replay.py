@@ -73,7 +73,10 @@ class ReplayPlan:
 
 # ---- how long a replay is -------------------------------------------------------------------
 def exact_replay_tokens(window: int, n_sliding_layers: int) -> int:
+    # BEGIN STUDENT swa-replay: exact_replay_tokens: how many tokens a replay needs so that every sliding
+    #   layer's K/V above the hit is exact (each stacked sliding layer loses window - 1 rows)
     return n_sliding_layers * (window - 1)
+    # END STUDENT swa-replay
 
 
 def look_back(gamma: int, windows: int = 1) -> int:
@@ -100,12 +103,17 @@ def replay_tokens(setting: int | str, window: int, n_sliding_layers: int, back: 
 def plan_replay(hit: int, window: int, n_sliding_layers: int, keep_tokens: int = 0) -> ReplayPlan:
     """Where a prefill starts after a prefix hit of `hit` tokens (multiple of the block size).
 
-    Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay."""
+    Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay; a
+    longer bound than the exact length is cut to it. Sliding attention reads from the start."""
+    # BEGIN STUDENT swa-replay: plan_replay: start the prefill keep tokens before the hit (keep_tokens, or
+    #   the exact length when 0, never more than exact), never below 0; no hit or no sliding layer: no replay
     if hit == 0 or n_sliding_layers == 0:
         return ReplayPlan(hit, hit, hit)
-    keep = replay_tokens(keep_tokens, window, n_sliding_layers, 0)
+    exact = exact_replay_tokens(window, n_sliding_layers)
+    keep = min(keep_tokens, exact) if keep_tokens > 0 else exact
     start = max(0, hit - keep)
     return ReplayPlan(start, hit, start)
+    # END STUDENT swa-replay
 
 
 def snapshot_plan(end: int, window: int) -> ReplayPlan:

@@ -86,10 +86,13 @@ class VerifyResult:
 def accept_greedy(drafts: list[int], target_argmax: list[int]) -> int:
     """Length of the prefix of drafts equal to the target's argmax tokens (target_argmax[k] is
     the target's choice for the position of drafts[k])."""
+    # BEGIN STUDENT verify: accept_greedy: the length of the leading run of drafts that equal the target's
+    #   argmax
     m = 0
     while m < len(drafts) and drafts[m] == target_argmax[m]:
         m += 1
     return m
+    # END STUDENT verify
 
 
 def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
@@ -98,6 +101,9 @@ def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 
     Returns (accepted m, residual distribution to sample the correction from, or None when all
     w were accepted and the bonus comes from p[w])."""
+    # BEGIN STUDENT verify: accept_sampling: accept draft k while u_k < p_k(d_k) / q_k(d_k) (w uniforms
+    #   drawn from generator); after the first rejection return the residual norm(max(0, p - q)) at that row
+    #   (p's row if it has no mass), or None if all w were accepted
     w = drafts.shape[0]
     if w == 0:
         return 0, None
@@ -114,15 +120,19 @@ def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     residual = (p[m] - q[m]).clamp_min(0)
     mass = residual.sum()
     return m, (residual / mass if mass > 0 else p[m])
+    # END STUDENT verify
 
 
 def verify_greedy(drafts: list[int], target_argmax: list[int], window: int, mode: str) -> VerifyResult:
     """Greedy verification on host lists: drafts [n_ver], target_argmax [rows] (the target's
     choice after each verified row)."""
+    # BEGIN STUDENT verify: verify_greedy: commit the accepted drafts up to the cap (the window unless
+    #   static), then the target's own token; cap-accept reports the untrimmed run as the ceiling
     cap = len(drafts) if mode == "static" else window
     m_full = accept_greedy(drafts, target_argmax)
     m = min(m_full, cap)
     return VerifyResult(drafts[:m] + [target_argmax[m]], m, m_full if mode == "cap-accept" else None)
+    # END STUDENT verify
 
 
 def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -136,6 +146,9 @@ def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: 
     if greedy:
         return verify_greedy(d.tolist(), target_probs.argmax(-1).tolist(), window if mode != "static" else gamma,
                              mode)
+    # BEGIN STUDENT verify: verify_block, sampled: accept_sampling, commit at most cap drafts, then the next
+    #   token: sampled from the residual after a rejection inside the cap, else from the target's row at the
+    #   cap (torch.multinomial with generator)
     m_full, residual = accept_sampling(d, draft_probs[:n_ver], target_probs, generator)
     m = min(m_full, cap)
     # A rejection inside the cap resamples from the residual; otherwise the next token comes from
@@ -143,6 +156,7 @@ def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: 
     dist = residual if m_full < cap else target_probs[m]
     nxt = int(torch.multinomial(dist, 1, generator=generator))
     return VerifyResult(d[:m].tolist() + [nxt], m, m_full if mode == "cap-accept" else None)
+    # END STUDENT verify
 
 
 # ----------------------------------------------------------------------------- a batch, on the device
@@ -156,7 +170,8 @@ class BatchVerdict:
 
 def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                  row_index: torch.Tensor, st: SamplingTensors | None, anchor_pos: torch.Tensor,
-                 verified: torch.Tensor, cap: torch.Tensor, greedy_only: bool) -> BatchVerdict:
+                 verified: torch.Tensor, cap: torch.Tensor, greedy_only: bool,
+                 coupled: bool = False) -> BatchVerdict:
     """Accept a prefix of each request's drafts, all requests at once.
 
     drafts [R, g]; draft_probs [R, g, V] (the Markov-corrected draft distributions; None when
@@ -169,18 +184,44 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
     with probability min(1, P/Q), testing u < P(d)/Q(d) with a keyed uniform (stream ACCEPT at
     the draft's position); the first rejection inside the cap resamples from norm(max(0, P - Q))
     (stream RESIDUAL), and otherwise the next token is the target's own sample at the cap
-    (stream TARGET, exactly what target-only decoding would draw from P there)."""
+    (stream TARGET, exactly what target-only decoding would draw from P there).
+
+    Coupled (`coupled=True`, the drafts drawn with the TARGET stream's noise): the target's own
+    sample at every verified position is the Gumbel-max of P there with the TARGET noise — the
+    token target-only decoding would draw — and a draft is accepted iff it equals it; the next
+    token is the target's own sample. Every committed token is then *the* target-only token, so
+    output is the same with speculation on or off, for any drafter and window."""
     R, g = drafts.shape
     dev = drafts.device
     k = torch.arange(g, device=dev)
     pos = anchor_pos[:, None] + 1 + torch.arange(g + 1, device=dev)       # position of each committed slot
     in_window = k[None, :] < verified[:, None]
+    # BEGIN STUDENT verify: the batched verdict, on the device with no host sync -> m_full [R] (the leading
+    #   run of accepted drafts among the verified ones), m = min(m_full, cap), at_m = m[:, None] and nxt [R]
+    #   (the token after them). Greedy rows: a draft is accepted while it equals the target's argmax, nxt is
+    #   the argmax at m.
+    #   Sampled rows: accepted while u * Q(d) < P(d), u = uniforms(seed, the draft's position,
+    #   STREAM_ACCEPT), P from probs_from_logits; nxt is a gumbel_argmax sample at position pos[:, m] of the
+    #   residual norm(max(0, P - Q)) after a rejection inside the cap (STREAM_RESIDUAL), else of P
+    #   (STREAM_TARGET). Coupled rows (coupled=True): accepted while the draft equals the target's own
+    #   gumbel_argmax sample at its position on STREAM_TARGET; nxt is that sample at m
     target_argmax = logits.argmax(-1)[row_index]                           # [R, g + 1]
     ok = (drafts == target_argmax[:, :g]) & in_window
     probs = None
     if not greedy_only:
         rows = st.rows(torch.arange(R, device=dev).repeat_interleave(g + 1))
         probs = probs_from_logits(logits[row_index.reshape(-1)], rows).view(R, g + 1, -1)
+    if probs is not None and coupled:
+        seeds = st.seed[:, None].expand(R, g + 1).reshape(-1)
+        own = gumbel_argmax(torch.log(probs.reshape(R * (g + 1), -1)), seeds, pos.reshape(-1),
+                            STREAM_TARGET).view(R, g + 1)
+        sampled_ok = (drafts == own[:, :g]) & in_window
+        greedy_rows = (st.temperature < GREEDY_BELOW)
+        ok = torch.where(greedy_rows[:, None], ok, sampled_ok)
+        m_full = ok.long().cumprod(1).sum(1)
+        m = torch.minimum(m_full, cap)
+        nxt = torch.where(greedy_rows, target_argmax.gather(1, m[:, None])[:, 0], own.gather(1, m[:, None])[:, 0])
+        return _verdict(drafts, m, m_full, nxt)
     if probs is not None and g > 0:
         pd = probs[:, :g].gather(2, drafts[:, :, None])[..., 0]
         qd = draft_probs.gather(2, drafts[:, :, None])[..., 0]
@@ -203,8 +244,15 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
             res_tok = gumbel_argmax(torch.log(dist), st.seed, p_next, STREAM_RESIDUAL)
             drawn = torch.where(rejected, res_tok, drawn)
         nxt = torch.where(st.temperature < GREEDY_BELOW, nxt, drawn)
-    tokens = torch.zeros(R, g + 1, dtype=torch.long, device=dev)
+    # END STUDENT verify
+    return _verdict(drafts, m, m_full, nxt)
+
+
+def _verdict(drafts, m, m_full, nxt) -> BatchVerdict:
+    """tokens [R, g + 1]: the m accepted drafts, then `nxt`, then zeros."""
+    R, g = drafts.shape
+    k = torch.arange(g + 1, device=drafts.device)[None, :]
+    tokens = torch.zeros(R, g + 1, dtype=torch.long, device=drafts.device)
     tokens[:, :g] = drafts
-    tokens.scatter_(1, at_m, nxt[:, None])
-    tokens = torch.where(torch.arange(g + 1, device=dev)[None, :] <= at_m, tokens, 0)
-    return BatchVerdict(tokens, m, m_full)
+    tokens.scatter_(1, m[:, None], nxt[:, None])
+    return BatchVerdict(torch.where(k <= m[:, None], tokens, 0), m, m_full)

@@ -48,11 +48,12 @@ def make_hf_model(kind: str, out: Path, *, window: int = 0, tie: bool = False, s
             p.normal_(0, 0.08)
     model.save_pretrained(out)
     if kind == "qwen3_moe" and window:
-        # transformers' Qwen3-MoE has no per-layer `layer_types`; our config.json carries them.
+        # transformers' Qwen3-MoE has no per-layer `layer_types` (with use_sliding_window it slides
+        # in every layer); our config.json carries them, as the default model's does.
         import json
         c = json.loads((out / "config.json").read_text())
         c.update(layer_types=["full_attention"] * (n // 2) + ["sliding_attention"] * (n - n // 2),
-                 sliding_window=window)
+                 sliding_window=window, use_sliding_window=True)
         (out / "config.json").write_text(json.dumps(c))
     if DEFAULT_TOKENIZER.exists():
         shutil.copy(DEFAULT_TOKENIZER, out / "tokenizer.json")

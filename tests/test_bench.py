@@ -19,7 +19,7 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
-    table = tmp_path / "cost.json"
+    table = tmp_path / "runs" / "cpu_econ" / "cost.json"          # a folder that does not exist yet (09 §5d)
     bp.profile(types.SimpleNamespace(model=str(model), batch_sizes=[1, 2], context=16, repeats=1, kv_gb=0.05,
                                      out=str(table)))
     saved = next(iter(json.loads(table.read_text()).values()))

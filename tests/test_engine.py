@@ -284,3 +284,31 @@ def test_runner_refuses_rows_past_a_tables_reservation(ref_llm):
     runner = ref_llm.engine.runner
     with pytest.raises(AssertionError, match="positions up to 7 on a table reserved for 6"):
         runner.prefill([Chunk(slot=0, start=5, token_ids=[1, 2, 3], reserved=6)])  # inside block 1, not reserved
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_poisoned_request_fails_alone(tiny_dir, tmp_path, drafted):
+    """A request whose numbers break (here: its prompt holds a token whose embedding is NaN) is
+    finished with reason "error"; every other request of the batch completes with the same tokens
+    as without it, and nothing leaks. Fails on an engine that samples from NaN logits."""
+    kw = dict(use_tqdm=False)
+    if drafted:
+        from test_verify import make_drafter
+        kw["drafter_path"] = str(make_drafter(tiny_dir, tmp_path / "d"))
+    bad_token = 7
+    good = [p for p in prompts(5, 8192, seed=21, lo=5, hi=30) if bad_token not in p]
+    want = [o.token_ids for o in LLM(str(tiny_dir), **kw).generate(good, GREEDY)]
+    llm = LLM(str(tiny_dir), **kw)
+    with torch.no_grad():
+        llm.engine.model.model.embed_tokens.weight[bad_token] = float("nan")
+    eng = llm.engine
+    reqs = [eng.add_request(p, GREEDY) for p in good[:2]]
+    poisoned = eng.add_request([3, 4, bad_token, 5], GREEDY)
+    reqs += [eng.add_request(p, GREEDY) for p in good[2:]]
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert poisoned.finish_reason == "error" and poisoned.error
+    assert any(o.request_id == poisoned.request_id and o.error for o in outs)
+    assert [r.output_ids for r in reqs] == want
+    check_no_leak(llm)

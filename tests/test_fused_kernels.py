@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 
 import kernels  # noqa: E402,F401
 from kernels.fused import add_rmsnorm, qk_norm_rope_store, silu_mul  # noqa: E402
-from kernels.moe import align_pairs, fused_moe  # noqa: E402
+from kernels.linear import CANDIDATES, SkinnyLinear, skinny_linear  # noqa: E402
+from kernels.moe import align_pairs, align_pairs_fused, fused_moe  # noqa: E402
 from nanodspark.config import ModelConfig  # noqa: E402
 from nanodspark.model import Attention, RMSNorm, TORCH_OPS, rope_cos_sin, torch_experts  # noqa: E402
 
@@ -131,6 +132,8 @@ def test_align_pairs_groups_every_pair_once_by_expert():
             assert pairs.numel() == 0
         else:
             assert (flat[pairs] == e).all(), "a block holds pairs of its own expert only"
+    rows2, be2 = align_pairs_fused(ids, E, bm)          # the one-kernel version: the same layout
+    assert torch.equal(rows2.cpu(), rows) and torch.equal(be2.cpu(), block_expert)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -148,3 +151,52 @@ def test_fused_moe_matches_reference(dtype, T, E, k):
     want = torch_experts(x, ids, weights, wg, wu, wd)
     got = fused_moe(x, ids, weights, wg, wu, wd)
     close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", [CANDIDATES[0], CANDIDATES[3], CANDIDATES[5]])
+def test_skinny_linear_matches_the_library(dtype, cfg):
+    torch.manual_seed(5)
+    for M, N, K in ((1, 48, 200), (6, 70, 96), (16, 33, 300)):
+        x = torch.randn(M, K, device=DEV).to(dtype)
+        w = (torch.randn(N, K, device=DEV) * 0.1).to(dtype)
+        b = torch.randn(N, device=DEV).to(dtype)
+        close(skinny_linear(x, w, None, cfg), torch.nn.functional.linear(x, w), dtype)
+        close(skinny_linear(x, w, b, cfg), torch.nn.functional.linear(x, w, b), dtype)
+
+
+def test_skinny_linear_dispatch_records_shapes_and_keeps_the_library_by_default():
+    lin = SkinnyLinear()
+    lin.recording = set()
+    x, w = torch.randn(3, 32, device=DEV), torch.randn(40, 32, device=DEV)
+    assert torch.equal(lin(x, w), torch.nn.functional.linear(x, w))      # no choice yet: the library
+    lin(torch.randn(40, 32, device=DEV), w)                               # too many rows: not recorded
+    assert lin.recording == {(3, 40, 32, torch.float32)}
+    lin.choice[(3, 40, 32, torch.float32)] = CANDIDATES[3]
+    close(lin(x, w), torch.nn.functional.linear(x, w), torch.float32)
+
+
+def test_one_kernel_alignment_equals_the_torch_one_on_many_pairs():
+    """128 experts, top-8, 40 tokens: the pairs cross several of the kernel's 64-pair chunks."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(40)]).to(DEV)
+    ids[:20, 0] = 7                                   # one hot expert
+    for bm in (16, 64):
+        a, b = align_pairs(ids, 128, bm)
+        c, d = align_pairs_fused(ids, 128, bm)
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_topk_matches_the_torch_router(renorm):
+    from kernels.moe import route_topk
+    torch.manual_seed(7)
+    for E, k in ((8, 2), (128, 8), (60, 4)):
+        logits = torch.randn(9, E, device=DEV)
+        probs = torch.softmax(logits.float(), -1)
+        w, ids = torch.topk(probs, k, -1)
+        if renorm:
+            w = w / w.sum(-1, keepdim=True)
+        gw, gids = route_topk(logits, k, renorm)
+        assert torch.equal(gids, ids)
+        torch.testing.assert_close(gw, w, atol=1e-6, rtol=1e-5)

@@ -391,8 +391,13 @@ def test_serve_flags_mirror_engine_config(capsys, tmp_path):
     assert serve.main(["--model", "/does/not/exist"]) == 2
     assert "--model" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
-    assert serve.main(["--model", str(tmp_path), "--verify-mode", "bogus"]) == 2
-    assert "verify_mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:   # an enumerated flag: argparse refuses it, listing the choices
+        serve.main(["--model", str(tmp_path), "--verify-mode", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--verify-mode" in err and "cap-accept" in err
+    assert serve.main(["--model", str(tmp_path), "--block-size", "3"]) == 2   # EngineConfig's own check
+    assert "block_size" in capsys.readouterr().err
 
 
 def test_serve_py_end_to_end_and_sigterm(tiny_dir):

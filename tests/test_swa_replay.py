@@ -89,8 +89,8 @@ def first_logits(llm, prompt, params=None):
     seen = []
     orig = eng.model.compute_logits
 
-    def spy(hidden):
-        res = orig(hidden)
+    def spy(hidden, ops=None):
+        res = orig(hidden, ops)
         seen.append(res.clone())
         return res
     eng.model.compute_logits = spy

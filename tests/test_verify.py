@@ -251,3 +251,43 @@ def test_full_prefix_hit_reserves_a_whole_verify_window(tmp_path_factory, mode):
         assert [o.token_ids for o in small.generate(ps, greedy)] == want
     assert preempted, "the test did not exercise preemption"
     check_no_leak(small)
+
+
+@pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
+def test_coupled_sampling_gives_target_only_tokens(tiny_dir, drafter_dir, mode):
+    """Seeded sampled requests (T = 1, and with top-p / top-k) give the same tokens with
+    speculation as without, at batch 1 and beside other random requests, in every verify mode:
+    drafts and verification share the target's noise (coupled_sampling)."""
+    base = LLM(str(tiny_dir), use_tqdm=False)
+    spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode, block_size=4,
+               coupled_sampling=True)
+    rng = random.Random(mode)
+    force_windows(spec.engine, lambda reqs: [rng.randint(0, spec.engine.gamma) for _ in reqs])
+    ps = prompts(8, 8192, seed=31, lo=4, hi=30)
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.2, top_k=20)]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, seed=100 + i, **kinds[i % 3]) for i in range(8)]
+    want = [o.token_ids for o in base.generate(ps, params)]
+    assert [o.token_ids for o in spec.generate(ps[:1], params[:1])] == want[:1]        # alone
+    mixed = spec.generate(ps, params)                                                   # beside others
+    assert [o.token_ids for o in mixed] == want
+    assert sum(o.spec["accepted"] for o in mixed) > 0            # the drafter's coupled drafts were taken
+    check_no_leak(spec)
+
+
+def test_coupled_sampling_follows_target_distribution(tmp_path):
+    """The coupled sampler is target-only sampling, so its output follows the target exactly
+    (chi-square over all 125 continuations, as above)."""
+    V, n, N = 5, 3, 2500
+    d, _ = make_hf_model("qwen3", tmp_path / "m", vocab_size=V, num_hidden_layers=2, seed=3)
+    ddir = make_drafter(d, tmp_path / "d", gamma=3, seed=4)
+    exact = exact_continuation_dist(load_model(d), [1, 3, 0, 2], n, V)
+    llm = LLM(str(d), use_tqdm=False, drafter_path=str(ddir), max_num_seqs=512, coupled_sampling=True)
+    outs = llm.generate([[1, 3, 0, 2]] * N, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+                                             for i in range(N)])
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    chi2 = sum((counts.get(s, 0) - N * p) ** 2 / (N * p) for s, p in exact.items())
+    assert chi2 < 190, chi2
+    acc = sum(o.spec["accepted"] for o in outs) / max(1, sum(o.spec["verified"] for o in outs))
+    assert 0.02 < acc < 0.98, acc

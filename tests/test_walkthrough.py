@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAPTERS = sorted((ROOT / "walkthrough").glob("*.md"))
+CHAPTERS = sorted((ROOT / "walkthrough").rglob("*.md"))   # the chapters and the results notebooks
 
 
 @pytest.mark.parametrize("path", [p for p in CHAPTERS if ">>> " in p.read_text()], ids=lambda p: p.name)

@@ -539,10 +539,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_kernels_table)
 
     from . import bench_engine as be  # engine-level benchmarks live in their own files
+    from . import bench_eplb as bl
     from . import bench_profile as bp
     from . import bench_speed as bsp
     from . import bench_swa as bsw
+    from . import bench_tp as btp
+    from . import timeline as tl
     for name, helptext, add_args, run in (
+            ("timeline", "PNG of decode steps: host phases over GPU kernels, sync vs overlapped loop",
+             tl.add_timeline_args, tl.timeline),
+            ("tp", "tensor parallel decode tok/s (TP 1/2/4/8, random weights) and all-reduce time per step",
+             btp.add_tp_args, btp.tp_bench),
             ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
              bsp.add_speed_args, bsp.engine_speed),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
@@ -552,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
              be.pareto),
             ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,
              be.dspark_table),
+            ("eplb", "expert load balance on recorded routing, simulated EP 4/8, rebalancing a running engine",
+             bl.add_eplb_args, bl.run),
             ("swa", "SWA replay and snapshots: follow-up prefill and TTFT, bounded replay drift", bsw.add_swa_args,
              bsw.swa_bench)):
         sp = sub.add_parser(name, help=helptext)

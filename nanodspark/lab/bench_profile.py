@@ -18,6 +18,8 @@ window, no accept cap); prefills and rebuilds are never timed; each K is what th
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .bench_engine import bench_prompts
@@ -166,6 +168,7 @@ def profile(args) -> dict:
     for b, ph in table.notes["phases_ms_by_bs"].items():
         print(f"bs {b}: host ms per step by phase (all K; warm-up round and kernel compiles included) "
               + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)     # CostTable.save writes into an existing folder
     table.save(args.out)
     print(f"saved {args.out}; flat={table.is_flat()}")
     return table.to_json()

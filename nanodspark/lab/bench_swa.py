@@ -184,8 +184,8 @@ def run_with_first_logits(llm, ids: list[int], params):
     eng, seen = llm.engine, []
     orig = eng.model.compute_logits
 
-    def spy(hidden):
-        out = orig(hidden)
+    def spy(hidden, ops=None):
+        out = orig(hidden, ops)
         if not seen:
             seen.append(out[-1].float().cpu())
         return out

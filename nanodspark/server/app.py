@@ -10,12 +10,31 @@ queues, and three files:
   through an inbox; each request's outputs go out to its own asyncio queue (its `Handle`).
 * `openai_api.py`: **the OpenAI shapes**: validation of request bodies into `SamplingParams`,
   chat messages, response chunks, server-sent events and errors (`APIError`). No thread, no app.
-* this file: **the handlers** (FastAPI, on the event loop) read the JSON, tokenize in a worker
-  thread, put an `add` command in the inbox and `await` their queue: first an acceptance (or the
-  engine's refusal, which becomes a 400/429), then outputs. A streaming handler turns each output
-  into a server-sent event; a plain one collects them into one JSON answer. Nothing on the event
-  loop blocks: the only lock it takes is the inbox's, held for an append. `create_app` wires the
-  routes, the error handlers and the metrics middleware; `HTTPServer` runs the app with uvicorn.
+* this file: **the handlers** (FastAPI, on the event loop) read the body (at most
+  `max_body_bytes`, else 413), hand it to a small pool of worker threads that parses, checks,
+  validates and tokenizes it (`_prepare_completion`, `_prepare_chat`), put an `add` command in
+  the inbox and `await` their queue: first an acceptance (or the engine's refusal, which becomes
+  a 400/429), then outputs. A streaming handler turns each output into a server-sent event; a
+  plain one collects them into one JSON answer. Nothing on the event loop blocks: the only lock
+  it takes is the inbox's, held for an append. `create_app` wires the routes, the error handlers
+  and the metrics middleware; `HTTPServer` runs the app with uvicorn.
+
+Limits (chapter 08, section 9). Every bound is checked before the work it protects:
+
+* the body: `Content-Length` (or the bytes read so far) over `max_body_bytes` -> 413 before the
+  body is kept; the bodies held at once (read, or waiting for a worker) are bounded too
+  (`BODY_BUDGET_FACTOR` x `max_body_bytes`, else 429), so a burst of large bodies cannot grow the
+  process without bound;
+* the JSON: not JSON, nested deeper than `MAX_JSON_DEPTH`, or holding a lone surrogate -> 400
+  (`openai_api.parse_json_body`);
+* a text prompt: more characters than `max_model_len * tokenizer.longest_token_chars` -> 400
+  without tokenizing it (no such text can fit the context); otherwise it is tokenized in the pool
+  with the interpreter lock released (`Tokenizer.encode_releasing_gil`), so a long prompt stalls
+  neither the event loop (`/health`, other streams) nor the engine thread;
+* prompt + `max_tokens` over the context -> 400 with the arithmetic (`check_context`).
+
+The knobs are server-only, so they are arguments of `create_app` and flags of `serve.py`
+(`--max-body-bytes`, `--prepare-threads`), not fields of `EngineConfig`.
 
 Abort. A client that goes away mid-stream cancels the response task; `_Stream.__call__` catches
 that in a `finally` and sends `abort` to the engine thread, which frees the request's KV blocks.
@@ -30,30 +49,50 @@ Invariants
 * `inflight` (requests between acceptance and their handler's end) is changed only on the event
   loop, exactly once up and once down per accepted request; beyond `max_queue` new requests get
   429 before they reach the engine.
-* Every error, ours or FastAPI's, is answered in the OpenAI shape (`APIError`).
+* Every error, ours or FastAPI's, is answered in the OpenAI shape (`APIError`); a malformed
+  request never reaches the generic 500 handler, so its keep-alive connection stays open.
+* The worker threads read only immutable facts of the server (limits, tokenizer); they never
+  touch the engine, the inbox or a `Handle`.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..sampling import SamplingParams
 from .engine_loop import EngineLoop, Handle
 from .metrics import Metrics
-from .openai_api import APIError, bad_request, get_field, message_text, parse_sampling, sse_event, usage_of
+from .openai_api import (APIError, bad_request, check_context, get_field, message_text, parse_json_body,
+                         parse_sampling, requested_max_tokens, sse_event, usage_of)
 
-__all__ = ["HTTPServer", "OpenAIServer", "create_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS", "HTTPServer", "OpenAIServer", "create_app"]
 
 log = logging.getLogger("nanodspark.server")
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024   # a 4,096-token prompt is ~20 kB of text or ids; 2 MiB leaves room
+DEFAULT_PREPARE_THREADS = 2                # worker threads that parse, validate and tokenize request bodies
+BODY_BUDGET_FACTOR = 16                    # bodies held at once: at most this many max-size bodies' bytes
+
+
+@dataclass
+class _Prepared:
+    """A request body turned into what the engine takes (the worker threads' result)."""
+    ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    limit_param: str = "max_tokens"   # the field that set the output limit (named by a KV refusal)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -101,17 +140,34 @@ class OpenAIServer:
 
     DISCONNECT_POLL_S = 0.5   # how often a non-streaming handler checks for a gone client
 
-    def __init__(self, engine, model_name: str, max_queue: int = 0):
+    def __init__(self, engine, model_name: str, max_queue: int = 0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS):
+        if max_body_bytes < 1 or prepare_threads < 1:
+            raise ValueError("max_body_bytes and prepare_threads must be positive")
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         # The longest prompt + output the KV cache can ever hold (add_request refuses more);
         # it bounds the default max_tokens of chat. Read once, before the engine thread starts.
         kv_tokens = min(bm.num_blocks for bm in engine.scheduler.managers.values()) * engine.config.block_size
         self.max_request_tokens = min(self.max_model_len, kv_tokens - engine.decode_rows)
         self.max_queue = max_queue or engine.config.max_num_seqs + engine.config.max_waiting
-        self.metrics = Metrics()
+        # Input limits: a text with more characters than this has more tokens than the context
+        # (None: the tokenizer gives no bound on the characters of one token).
+        longest = getattr(self.tokenizer, "longest_token_chars", None)
+        self.longest_token_chars = longest
+        self.max_prompt_chars = self.max_model_len * longest if longest else None
+        self.max_body_bytes = max_body_bytes
+        self.body_budget = BODY_BUDGET_FACTOR * max_body_bytes
+        self.held_body_bytes = 0       # bytes of bodies being read or waiting for a worker (event loop only)
+        self._encode = None
+        if self.tokenizer is not None:
+            self._encode = getattr(self.tokenizer, "encode_releasing_gil", None) or self.tokenizer.encode
+        self.pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="nanodspark-prepare")
+        self.metrics = Metrics(device=getattr(engine, "device", None))
+        self.metrics.track_inflight(lambda: self.inflight)
         self.loop = EngineLoop(engine, self.metrics)
         self.inflight = 0
         self.closing = False
@@ -123,37 +179,156 @@ class OpenAIServer:
         self.closing = True
         self.loop.abort_all()
 
-    # -- request flow --------------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict:
-        raw = await request.body()
+    # -- request flow: the event loop ------------------------------------------------------------
+    def _refuse_if_closed(self) -> None:
+        if self.closing or not self.loop.alive:
+            raise APIError(503, "the server is shutting down" if self.closing else "the engine is not running",
+                           "server_error")
+
+    def _too_large(self, size: int | None) -> APIError:
+        what = f"has {size} bytes" if size is not None else f"is over {self.max_body_bytes} bytes"
+        return APIError(413, f"the request body {what}; this server accepts at most {self.max_body_bytes} bytes "
+                             "(serve.py --max-body-bytes)", code="request_too_large")
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed `max_body_bytes`: from its
+        Content-Length before a byte is read, else while it streams in. uvicorn reads and drops
+        whatever the client still sends, so the connection stays usable."""
+        self._refuse_if_closed()
+        if self.inflight >= self.max_queue:   # full: refuse before reading anything
+            raise APIError(429, f"server busy: {self.inflight} requests in flight (max {self.max_queue})",
+                           "rate_limit_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        chunks, size = [], 0
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+            async for chunk in request.stream():
+                size += len(chunk)
+                self.held_body_bytes += len(chunk)
+                chunks.append(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large(None)
+                if self.held_body_bytes > self.body_budget:
+                    raise APIError(429, "server busy: too many large request bodies at once", "rate_limit_error")
+        except BaseException as e:
+            self.held_body_bytes -= size
+            if isinstance(e, ClientDisconnect):
+                raise APIError(499, "client disconnected", "client_closed") from None
+            raise
+        return b"".join(chunks)
+
+    async def _prepare(self, request: Request, work) -> _Prepared:
+        """Read the body, then run `work(raw)` (parse, validate, tokenize) in a worker thread."""
+        raw = await self._read_body(request)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work, raw)
+        except RuntimeError as e:   # the pool was shut down under us
+            if self.closing or "shutdown" in str(e):
+                raise APIError(503, "the server is shutting down", "server_error") from None
+            raise
+        finally:
+            self.held_body_bytes -= len(raw)
+
+    # -- request flow: the worker threads ---------------------------------------------------------
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json_body(raw)
         model = get_field(body, "model", "str")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         return body
 
-    async def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+    def _check_chars(self, n: int, param: str) -> None:
+        """Refuse a text that cannot fit the context, from its length alone (before tokenizing)."""
+        if self.max_prompt_chars is not None and n > self.max_prompt_chars:
+            what = "the messages have" if param == "messages" else "the prompt has"
+            raise bad_request(
+                f"{what} {n} characters, more than can fit this model's maximum context length of "
+                f"{self.max_model_len} tokens: no token of its tokenizer stands for more than "
+                f"{self.longest_token_chars} characters, so at most {self.max_prompt_chars} characters fit; "
+                "shorten the prompt", param, code="context_length_exceeded")
 
-    async def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> Handle:
-        if self.closing or not self.loop.alive:
-            raise APIError(503, "the server is shutting down" if self.closing else "the engine is not running",
-                           "server_error")
+    def _tokenize(self, text: str, param: str) -> list[int]:
+        if self._encode is None:
+            raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", param)
+        try:
+            return self._encode(text)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"the {param} could not be tokenized: {e}", param) from None
+
+    def _sampling(self, body: dict, default: int) -> tuple:
+        """The checks that need no tokenizer, done before tokenizing: (params, whether the client
+        set the output limit itself, the name of that field, stream, include_usage)."""
+        params = parse_sampling(body, max_tokens_default=default)
+        given = requested_max_tokens(body)
+        return (params, given is not None, given[0] if given else "max_tokens",
+                get_field(body, "stream", "bool", False), self._stream_options(body))
+
+    def _finish(self, ids: list[int], checked: tuple, prompt_param: str, room: int) -> _Prepared:
+        """The checks on the token ids: not empty, and prompt + output limit within the context.
+        A default output limit never overflows: it is cut to the `room` left after the prompt."""
+        params, explicit, limit_param, stream, include_usage = checked
+        if not ids:
+            raise bad_request("the prompt is empty", prompt_param)
+        if not explicit:
+            params.max_tokens = max(1, min(params.max_tokens, room - len(ids)))
+        check_context(len(ids), params.max_tokens, self.max_model_len, prompt_param, limit_param)
+        return _Prepared(ids, params, stream, include_usage, limit_param)
+
+    def _prepare_completion(self, raw: bytes) -> _Prepared:
+        body = self._body(raw)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) != 1:
+                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if not isinstance(prompt, (str, list)):
+            raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+        checked = self._sampling(body, 16)   # completions' default max_tokens, as OpenAI's
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
+            ids = self._tokenize(prompt, "prompt")
+        else:
+            check_context(len(prompt), 1, self.max_model_len, "prompt")   # before looking at each id
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
+            ids = prompt
+        return self._finish(ids, checked, "prompt", self.max_model_len)
+
+    def _prepare_chat(self, raw: bytes) -> _Prepared:
+        body = self._body(raw)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+        messages = [message_text(m, i) for i, m in enumerate(messages)]
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json, so chat is unavailable; use /v1/completions "
+                              "with token ids", "messages")
+        # chat's default max_tokens: what is left of the context (and of the KV cache)
+        checked = self._sampling(body, self.max_request_tokens)
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        ids = self._tokenize(text, "messages")
+        return self._finish(ids, checked, "messages", self.max_request_tokens)
+
+    async def _submit(self, prep: _Prepared, prefix: str) -> Handle:
+        self._refuse_if_closed()
         if self.inflight >= self.max_queue:
             raise APIError(429, f"server busy: {self.inflight} requests in flight (max {self.max_queue})",
                            "rate_limit_error")
-        h = Handle(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop())
+        # What the engine may still refuse after our checks (a request the KV cache can never
+        # hold) is about the output limit: its 400 names that field.
+        h = Handle(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop(), refusal_param=prep.limit_param)
         self.inflight += 1
         try:
-            self.loop.submit(h, prompt_ids, params)
+            self.loop.submit(h, prep.ids, prep.params)
             first = await h.queue.get()
         except BaseException:
             self._close(h)
@@ -207,7 +382,7 @@ class OpenAIServer:
             item = await h.queue.get()
             if isinstance(item, APIError):
                 h.finished = True
-                yield sse_event(item.body())
+                yield sse_event(item.body(), ascii=True)
                 break
             if item.finished:
                 h.finished = True
@@ -221,56 +396,28 @@ class OpenAIServer:
     @staticmethod
     def _stream_options(body: dict) -> bool:
         opts = get_field(body, "stream_options", "dict", {})
-        return bool(get_field(opts, "include_usage", "bool", False))
+        include = opts.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+        return bool(include)
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: Request):
-        body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) != 1:
-                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await self._encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-        else:
-            raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
-        params = parse_sampling(body, max_tokens_default=16)
-        stream = get_field(body, "stream", "bool", False)
-        include_usage = self._stream_options(body)
-        h = await self._submit(ids, params, "cmpl")
+        prep = await self._prepare(request, self._prepare_completion)
+        h = await self._submit(prep, "cmpl")
         base = {"id": h.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
 
         def chunk(text, finish_reason):
             return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
-        if stream:
-            return _Stream(self._events(h, chunk, include_usage), lambda: self._close(h))
+        if prep.stream:
+            return _Stream(self._events(h, chunk, prep.include_usage), lambda: self._close(h))
         text, out = await self._collect(request, h)
         return {**chunk(text, out.finish_reason), "usage": usage_of(out)}
 
     async def chat_completions(self, request: Request):
-        body = await self._body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
-        messages = [message_text(m, i) for i, m in enumerate(messages)]
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer.json, so chat is unavailable; use /v1/completions "
-                       "with token ids", "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        ids = await self._encode(text)
-        params = parse_sampling(body, max_tokens_default=max(1, self.max_request_tokens - len(ids)))
-        stream = get_field(body, "stream", "bool", False)
-        include_usage = self._stream_options(body)
-        h = await self._submit(ids, params, "chatcmpl")
+        prep = await self._prepare(request, self._prepare_chat)
+        h = await self._submit(prep, "chatcmpl")
         base = {"id": h.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
 
@@ -279,9 +426,9 @@ class OpenAIServer:
                 {"content": text} if text or finish_reason is None else {}),
                 "logprobs": None, "finish_reason": finish_reason}]}
 
-        if stream:
+        if prep.stream:
             first = chunk("", None, {"role": "assistant", "content": ""})
-            return _Stream(self._events(h, chunk, include_usage, first), lambda: self._close(h))
+            return _Stream(self._events(h, chunk, prep.include_usage, first), lambda: self._close(h))
         text, out = await self._collect(request, h)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -311,6 +458,11 @@ class HTTPServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, **config))
         self.openai_server: OpenAIServer = app.state.server
         self.on_ready = on_ready
+        self.openai_server.loop.on_fatal = self._engine_died
+
+    def _engine_died(self, error: BaseException) -> None:
+        log.error("the engine stopped (%s); shutting the server down", error)
+        self.should_exit = True
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
@@ -322,9 +474,11 @@ class HTTPServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0) -> FastAPI:
-    """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
-    server = OpenAIServer(engine, model_name, max_queue)
+def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS) -> FastAPI:
+    """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread (and the
+    worker threads that prepare request bodies)."""
+    server = OpenAIServer(engine, model_name, max_queue, max_body_bytes, prepare_threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -332,6 +486,7 @@ def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0) -> Fa
         try:
             yield
         finally:
+            server.pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(server.loop.stop)
 
     app = FastAPI(title="nanodspark", lifespan=lifespan)

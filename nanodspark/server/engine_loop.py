@@ -16,9 +16,14 @@ and the HTTP side talks to it only through queues:
   `APIError`: 400 for a `ValueError`, 429 for an `OverflowError`), then its outputs that carry
   text, then exactly one finished output.
 
-A step that raises fails only the requests in flight (500) and the thread keeps serving. On
-`stop()` (the app's lifespan exit) the thread aborts everything still known, answers queued
-`add`s with 503, and is joined.
+Failures. A request the engine finishes with reason `"error"` (its own fault, e.g. logits that
+are not finite: the engine isolates it and the batch goes on) gets a 500 of its own, with the
+engine's reason. A step that raises is an engine-wide fault: every request in flight gets a 500
+(through `engine.fail_all` where the engine has it, which also resets its device state) and the
+thread keeps serving new requests — unless the error is `fatal` (a lost tensor-parallel worker,
+distributed.py): then the thread ends and `on_fatal` stops the server. On `stop()` (the app's
+lifespan exit) the thread aborts everything still known, answers queued `add`s with 503, and is
+joined.
 
 Invariants
 ----------
@@ -58,6 +63,7 @@ class Handle:
     arrival: float = field(default_factory=time.monotonic)
     finished: bool = False        # its finished output (or an error) was consumed
     closed: bool = False          # its handler is done with it
+    refusal_param: str | None = None  # the field a 400 from add_request names (the handler's checks came first)
 
 
 class EngineLoop:
@@ -71,6 +77,7 @@ class EngineLoop:
         self._handles: dict[str, Handle] = {}   # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanodspark-engine", daemon=True)
         self.error: BaseException | None = None  # set if the loop itself died
+        self.on_fatal = None                     # called (engine thread) after it died: HTTPServer exits
 
     # -- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -120,8 +127,11 @@ class EngineLoop:
                     try:
                         outs = eng.step()
                     except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
+                        if getattr(e, "fatal", False):  # the engine cannot go on (a lost tensor-parallel rank)
+                            self._fail_all(APIError(500, f"engine stopped: {e}", "server_error"))
+                            raise
                         log.exception("engine step failed")
-                        self._fail_all(APIError(500, f"engine step failed: {e}", "server_error"))
+                        self._step_failed(f"engine step failed: {e}")
                         outs = []
                     self._publish_state()
                     for out in outs:
@@ -136,6 +146,8 @@ class EngineLoop:
             self.error = e
         finally:
             self._shutdown()
+            if self.error is not None and self.on_fatal is not None:
+                self.on_fatal(self.error)     # the server stops (HTTPServer)
 
     def _command(self, cmd: tuple) -> None:
         eng = self.engine
@@ -146,7 +158,7 @@ class EngineLoop:
             except OverflowError as e:
                 return self._deliver(h, APIError(429, f"server busy: {e}", "rate_limit_error"))
             except ValueError as e:
-                return self._deliver(h, bad_request(str(e)))
+                return self._deliver(h, bad_request(str(e), h.refusal_param))
             except Exception as e:  # noqa: BLE001
                 log.exception("add_request failed")
                 return self._deliver(h, APIError(500, f"could not add the request: {e}", "server_error"))
@@ -159,20 +171,41 @@ class EngineLoop:
                 if out is not None:
                     self._publish(out)
 
-    def _publish(self, out) -> None:
+    def _publish(self, out, error: str | None = None) -> None:
         self.metrics.on_output(out)
         if out.finished:
             h = self._handles.pop(out.request_id, None)
             self.engine.release(out.request_id)
         else:
             h = self._handles.get(out.request_id)
-        if h is not None and (out.text_delta or out.finished):  # handlers only need text
+        if h is None:
+            return
+        if out.finished and out.finish_reason == "error":   # the engine stopped this request alone
+            why = getattr(out, "error", None) or error or "the engine could not continue it"
+            self._deliver(h, APIError(500, f"the engine stopped this request: {why}", "server_error",
+                                      code="request_failed"))
+        elif out.text_delta or out.finished:  # handlers only need text
             self._deliver(h, out)
+
+    def _step_failed(self, message: str) -> None:
+        """An engine-wide fault: every request in flight ends with a 500; new ones are served."""
+        fail_all = getattr(self.engine, "fail_all", None)
+        if fail_all is None:
+            return self._fail_all(APIError(500, message, "server_error"))
+        try:
+            outs = fail_all(message)
+        except Exception:  # noqa: BLE001 - fall back to aborting one by one
+            log.exception("fail_all failed")
+            return self._fail_all(APIError(500, message, "server_error"))
+        for out in outs:
+            self._publish(out, error=message)
+        self._fail_all(APIError(500, message, "server_error"))  # any the engine did not name
 
     def _publish_state(self) -> None:
         s = self.engine.scheduler
         spec = self.engine.metrics.summary() if self.engine.metrics is not None else None
-        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec)
+        eplb = self.engine.eplb.summary() if self.engine.eplb is not None else None   # no sync
+        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec, eplb)
 
     def _fail_all(self, err: APIError) -> None:
         for rid, h in list(self._handles.items()):

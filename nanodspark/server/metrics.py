@@ -8,6 +8,13 @@ back: the engine thread feeds every `RequestOutput` to `on_output` and, after ea
 iteration, the engine's queue lengths and KV usage to `set_engine_state`. The HTTP layer counts
 answered requests with `count_request`. `render()` returns the Prometheus text exposition.
 
+The process itself is measured too, so a load test can watch the server's memory from outside:
+prometheus_client's standard `process_*` series (`process_resident_memory_bytes`, CPU seconds,
+open file descriptors; Linux only) and, on CUDA, `nanodspark_device_memory_bytes` (allocated and
+reserved by torch's caching allocator), both read at scrape time. `nanodspark_requests_in_flight`
+is the server's own count of accepted requests whose handler has not ended (the `--max-queue`
+count): after a load it must return to 0, or a request is stuck.
+
 Speculative counters come from `RequestOutput.spec` (the request's `SpecStats` as a dict).
 Those are cumulative per request, so each output contributes the *difference* to the previous
 output of the same request. That keeps the counters live while a request runs and lets one
@@ -20,14 +27,14 @@ Invariants
   `request_started` until the request's finished output, then it is dropped.
 * Counters only grow; the τ gauge is committed / steps over every verify step seen so far.
 * Label sets are bounded: endpoints are a fixed list (anything else is `other`), KV groups come
-  from the engine, finish reasons from the engine's three values.
+  from the engine, finish reasons from the engine's few values (stop, length, abort, error).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -49,9 +56,18 @@ class _Track:
 
 
 class Metrics:
-    def __init__(self, prefix: str = "nanodspark"):
+    def __init__(self, prefix: str = "nanodspark", device=None):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)   # process_resident_memory_bytes and friends, at scrape time
         p = prefix + "_"
+        self.in_flight = Gauge(p + "requests_in_flight", "Accepted requests whose handler has not ended",
+                               registry=r)
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            import torch
+            mem = Gauge(p + "device_memory_bytes", "Device memory held by torch (allocated, reserved)",
+                        ["kind"], registry=r)
+            mem.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+            mem.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
         # HTTP and request lifecycle
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
@@ -94,11 +110,28 @@ class Metrics:
         self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
         self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
                                 buckets=WINDOW_BUCKETS, registry=r)
+        # EPLB (eplb.py): balance of the expert load over the simulated EP ranks, last window
+        self.eplb_balancedness = Gauge(p + "eplb_balancedness", "Mean over MoE layers of mean_r(load_r) / "
+                                       "max_r(load_r) over the EP ranks r, in the recorder's window (1 = perfect)",
+                                       registry=r)
+        self.eplb_straggler = Gauge(p + "eplb_straggler_factor",
+                                    "Mean over MoE layers of max_r(load_r) / mean_r(load_r)", registry=r)
+        self.eplb_layer_balancedness = Gauge(p + "eplb_layer_balancedness",
+                                             "mean_r / max_r of one MoE layer's rank load", ["layer"], registry=r)
+        self.eplb_rank_load = Gauge(p + "eplb_rank_load_tokens", "(token, expert) pairs routed to the slots of one EP "
+                                    "rank in the window, summed over MoE layers", ["rank"], registry=r)
+        self.eplb_rebalances = Gauge(p + "eplb_rebalances", "Rebalances of the expert placement so far", registry=r)
+        self.eplb_rebalance_seconds = Gauge(p + "eplb_last_rebalance_seconds", "Wall time of the last rebalance "
+                                            "(read the window, place, move the weights)", registry=r)
         self._tau_committed = 0
         self._tau_steps = 0
         self._live: dict[str, _Track] = {}
 
     # -- called by the HTTP layer ---------------------------------------------------------------
+    def track_inflight(self, count) -> None:
+        """`count()` is read at each scrape as `requests_in_flight`."""
+        self.in_flight.set_function(count)
+
     def count_request(self, endpoint: str, code: int) -> None:
         self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(code)).inc()
 
@@ -153,11 +186,13 @@ class Metrics:
         self._live.pop(request_id, None)
 
     def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict,
-                         spec_summary: dict | None = None) -> None:
+                         spec_summary: dict | None = None, eplb_summary: dict | None = None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         if spec_summary:
             self._set_spec_summary(spec_summary)
+        if eplb_summary:
+            self._set_eplb_summary(eplb_summary)
         for group, u in kv_usage.items():
             self.kv_blocks.labels(group, "used").set(u["used"])
             self.kv_blocks.labels(group, "free").set(u["free"])
@@ -181,3 +216,19 @@ class Metrics:
             v = summary.get(f"step_time_{kind}_s")
             if v is not None:
                 self.step_time.labels(kind).set(v)
+
+    def _set_eplb_summary(self, summary: dict) -> None:
+        """Expert load balance (ExpertBalancer.summary): per-layer and mean balancedness, the
+        straggler factor, per-rank load, and the rebalances so far."""
+        if summary.get("balancedness") is not None:
+            self.eplb_balancedness.set(summary["balancedness"])
+            self.eplb_straggler.set(summary["straggler"])
+        for layer, b in enumerate(summary.get("balancedness_per_layer") or []):
+            if b is not None:
+                self.eplb_layer_balancedness.labels(str(layer)).set(b)
+        for rank, load in enumerate(summary.get("rank_load") or []):
+            self.eplb_rank_load.labels(str(rank)).set(load)
+        self.eplb_rebalances.set(summary.get("rebalances", 0))
+        last = summary.get("last_rebalance")
+        if last:
+            self.eplb_rebalance_seconds.set(last["seconds"])

@@ -1,0 +1,137 @@
+"""The overlapped loop's contract (nanodspark/overlap_loop.py; the course's `overlap` unit):
+step n+1 is launched before step n is read and committed, a `Drain` commits the step in flight
+before scheduling again, nothing launched is lost or committed twice, and on a real engine the
+overlapped loop commits exactly the tokens of the synchronous one (on the CPU too, where the
+engine itself uses the synchronous loop)."""
+from nanodspark import LLM, SamplingParams
+from nanodspark.overlap_loop import OverlapLoop, SyncLoop
+from nanodspark.scheduler import Drain
+
+from test_engine import check_no_leak, prompts
+from test_verify import make_drafter
+
+
+class Clock:
+    def __init__(self):
+        self.steps, self.laps = 0, []
+
+    def start(self):
+        pass
+
+    def lap(self, name):
+        self.laps.append(name)
+
+
+class Handle:
+    def __init__(self, eng, n):
+        self.eng, self.n, self.read = eng, n, False
+
+    def result(self):
+        assert not self.read, "a step's result is read once"
+        self.read = True
+        self.eng.log.append(f"result {self.n}")
+        return self.n
+
+
+class FakeEngine:
+    """Plans are step numbers; `plans` says how many steps have work; `drain_at` makes one
+    schedule call raise Drain (a preemption while a step is in flight)."""
+
+    def __init__(self, plans, drain_at=()):
+        self.plans, self.drain_at, self.log, self.clock = plans, set(drain_at), [], Clock()
+        self.scheduled = self.launched = 0
+        self.committed = []
+
+    def schedule(self):
+        n = self.scheduled
+        if n in self.drain_at:
+            self.drain_at.discard(n)
+            self.log.append(f"drain {n}")
+            raise Drain("req")
+        self.scheduled += 1
+        self.log.append(f"schedule {n}")
+        return [n] if n < self.plans else []
+
+    def launch(self, plan):
+        self.log.append(f"launch {plan[0]}")
+        self.launched += 1
+        return Handle(self, plan[0])
+
+    def commit(self, result):
+        self.log.append(f"commit {result}")
+        self.committed.append(result)
+        return [f"out {result}"]
+
+
+def run(loop, eng, calls):
+    outs = []
+    for _ in range(calls):
+        outs += loop.step()
+    return outs
+
+
+def test_the_loop_launches_the_next_step_before_it_commits_this_one():
+    eng = FakeEngine(plans=3)
+    loop = OverlapLoop(eng)
+    assert loop.step() == [] and eng.log == ["schedule 0", "launch 0"]          # nothing to commit yet
+    assert loop.pending is not None and eng.clock.steps == 1
+    assert loop.step() == ["out 0"]
+    assert eng.log[2:] == ["schedule 1", "launch 1", "result 0", "commit 0"]      # n+1 launched, then n read
+    outs = run(loop, eng, 3)
+    assert outs == ["out 1", "out 2"] and eng.committed == [0, 1, 2] and loop.pending is None
+    assert eng.log[6:] == ["schedule 2", "launch 2", "result 1", "commit 1", "schedule 3", "result 2", "commit 2",
+                           "schedule 4"]
+    assert eng.clock.steps == 3 and eng.launched == 3
+    assert {"schedule", "launch", "wait", "commit"} <= set(eng.clock.laps)
+
+
+def test_a_drain_commits_the_step_in_flight_before_scheduling_again():
+    eng = FakeEngine(plans=3, drain_at=[2])
+    loop = OverlapLoop(eng)
+    assert run(loop, eng, 2) == ["out 0"]
+    assert loop.step() == ["out 1"]                      # schedule(2) drained: step 1 committed first
+    assert eng.log[-5:] == ["drain 2", "result 1", "commit 1", "schedule 2", "launch 2"]
+    assert run(loop, eng, 2) == ["out 2"] and eng.committed == [0, 1, 2]
+
+
+def test_every_launched_step_is_committed_once_in_order():
+    for plans in (0, 1, 5):
+        for drains in ((), (1,), (1, 3, 4)):
+            eng = FakeEngine(plans, drain_at=drains)
+            loop = OverlapLoop(eng)
+            outs = run(loop, eng, plans + len(drains) + 2)
+            assert eng.committed == list(range(plans)) == [int(o.split()[1]) for o in outs]
+            assert loop.pending is None and eng.launched == plans
+
+
+def test_forget_drops_the_step_in_flight():
+    eng = FakeEngine(plans=2)
+    loop = OverlapLoop(eng)
+    loop.step()
+    loop.forget()
+    assert loop.pending is None
+    assert loop.step() == [] and eng.committed == []     # step 0 is gone; step 1 is now in flight
+
+
+def test_the_overlapped_loop_commits_what_the_synchronous_one_does(tiny_dir, tmp_path):
+    """A real engine, stepped by OverlapLoop on the CPU: the same tokens as SyncLoop, with a pool
+    small enough to preempt (a Drain) and requests finishing in the step after the one in flight."""
+    dr = make_drafter(tiny_dir, tmp_path / "drafter", gamma=4)
+    ps = prompts(6, 8192, seed=4, lo=5, hi=40)
+    params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=5 + 4 * i, ignore_eos=True)
+              for i in range(6)]
+    outs = []
+    for loop_type in (SyncLoop, OverlapLoop):
+        llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr), block_size=4, num_kv_blocks=30)
+        eng = llm.engine
+        eng.loop = loop_type(eng)
+        preempted = []
+        orig = eng.scheduler.preempt
+        eng.scheduler.preempt = lambda r, o=orig: (preempted.append(r.request_id), o(r))
+        got = [o.token_ids for o in llm.generate(ps, params)]
+        assert [len(t) for t in got] == [p.max_tokens for p in params]
+        outs.append(got)
+        assert preempted, "the pool should be small enough to preempt"
+        assert eng.loop.pending is None
+        check_no_leak(llm)
+    assert outs[0] == outs[1]
