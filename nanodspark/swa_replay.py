@@ -1,6 +1,7 @@
 """SWA replay and SWA snapshots: what a prefix-cache hit on a hybrid model still recomputes.
 
-The idea (DeepSeek-V4.1's "SWA bounded replay"; YOCO-style hybrids; walkthrough chapter 13).
+The idea (DeepSeek-V4.1's "SWA bounded replay"; YOCO-style hybrids, Sun et al. 2024; what is
+public about both: ../shared/reference/components.md §2.3-2.6; walkthrough chapter 13).
 Full-attention layers keep paged, prefix-cacheable KV; sliding-window layers need only the KV
 of the last `W` positions, which is *not* prefix cached (it depends on every token before it
 through the layers below, like all KV, but nothing keeps it once the request is gone). After a

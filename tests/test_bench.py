@@ -250,6 +250,8 @@ def test_swa_bench_smoke_writes_both_tables(tiny_dir, tmp_path):
     assert drift["exact"]["kl_max"] == 0 and drift["exact"]["continuation_identical"] == 1
     assert drift["snapshot"]["kl_max"] < 1e-9 and drift["snapshot"]["snapshot_hits"] == 2
     assert drift["bounded auto"]["replay_keep"] == 16 + 5 and drift["bounded auto"]["tau"] >= 1
-    assert res["suffix_rule"]["deepinfer"] == 140 and res["device"]
+    assert res["suffix_rule"]["deepinfer"] == 140 and res["device"] and res["torch"]
+    assert res["random_weights"] == ["hybrid Qwen3 tiny shape, RANDOM weights"]
+    assert all(r["random_weights"] for r in res["prefill"]["rows"]) and not res["skipped"]
     saved = json.loads(out.read_text())
     assert saved["argv"] and saved["prefill"]["rows"] and "| setting |" in bsw.markdown(saved)

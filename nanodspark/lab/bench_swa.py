@@ -16,11 +16,12 @@ request in the engine; medians over repeats). Modes:
     bounded    + bounded replay of `--keep` tokens (140: 128 + DeepInfer's look-back)
     snapshot   + snapshots (the bounded replay when none is found)
 
-Models: the default target (max_position_embeddings 4096, so prefixes up to 2k) and a hybrid
-Qwen3 shape with **random weights** (`--shape 0.6b`: Qwen3-0.6B's dimensions, 28 layers, the
-upper 14 sliding with a 128-token window, 40960 positions; `small`: the default target's
-dimensions, 3 + 3 layers, for a CPU) for 2k, 8k and 32k. Both without a drafter and without
-CUDA graphs: a follow-up's first token is one eager prefill.
+Models: the default target (trained weights; max_position_embeddings 4096, so prefixes up to
+2k) and a hybrid Qwen3 shape with **random weights** (`--shape 0.6b`: Qwen3-0.6B's dimensions,
+28 layers, the upper 14 sliding with a 128-token window, 40960 positions; `small`: the default
+target's dimensions, 3 + 3 layers, for a CPU) for 2k, 8k and 32k; the JSON says which weights
+are random (`random_weights`). Both without a drafter: a follow-up's first token is one eager
+prefill (CUDA graphs, tier batch 1 only, replay turn 1's answer; `--no-graphs` turns them off).
 
 `drift`: the price of the bounded approximation on real multi-turn text, with the default pair
 (target + drafter). MT-bench first turns are answered (greedy, `--drift-answer` tokens at most,
@@ -35,10 +36,11 @@ bounded length replays everything from 0 and is exact, and so is one whose new p
 enough that the sampled position lies `N * (W - 1)` or more past the replay start (the error of a
 truncated window dies out after `N - 1` windows): `affected` counts the others.
 
-The JSON (`--out`) holds every row, the hardware, the versions and the exact command.
-`--quick` (< 90 s on an H200): one repeat, shorter answers, 16 conversations. `--smoke`: tiny
-random models on the CPU (a check of this script, not a measurement). `--budget-s` skips the
-rows that would start after it (listed in the JSON).
+The JSON (`--out`) holds every row, the hardware, the versions and the exact command (`argv`).
+The full run is sized for about 3-4 minutes on one H200 (`--budget-s 240` skips the rows that
+would start later, and lists them under `skipped`). `--quick` (< 90 s on an H200): one repeat,
+shorter answers, 16 conversations. `--smoke`: tiny random models on the CPU, < 30 s (a check of
+this script, not a measurement; tests/test_bench.py runs it).
 """
 from __future__ import annotations
 
@@ -88,6 +90,12 @@ class Budget:
         return False
 
 
+def graph_kwargs(args) -> dict:
+    """CUDA graphs for the decode steps of requests running alone (tier: 1 slot), which is what
+    every timed or compared request here is; batches run eagerly. A prefill is eager anyway."""
+    return dict(cuda_graphs=False) if args.no_graphs else dict(cuda_graphs=True, graph_batch_sizes=(1,))
+
+
 # ---- prefill: tokens and time to first token of a follow-up ----------------------------------
 def mode_kwargs(mode: str, keep: int | str) -> dict:
     return {"no-cache": dict(enable_prefix_cache=False), "exact": dict(swa_replay_tokens=0),
@@ -123,24 +131,25 @@ def prefill_table(args, budget: Budget) -> dict:
     tmp = tempfile.TemporaryDirectory()
     models = []
     if args.default_target_prefixes:
-        models.append(("default target", None, args.default_target_prefixes))
+        models.append(("default target", None, args.default_target_prefixes, False))
     shape = {"0.6b": HYBRID_0_6B, "small": SMALL_HYBRID, "tiny": TINY_HYBRID}[args.shape]
     if args.prefixes:
         path = str(random_checkpoint(shape, Path(tmp.name) / "hybrid"))
-        models.append((f"hybrid Qwen3 {args.shape} shape, RANDOM weights", path, args.prefixes))
+        models.append((f"hybrid Qwen3 {args.shape} shape, RANDOM weights", path, args.prefixes, True))
     rows, info = [], []
-    for name, path, prefixes in models:
+    for name, path, prefixes, random_weights in models:
         for mode in MODES:
             if budget.over(f"prefill {name} {mode}"):
                 continue
-            kw = dict(use_tqdm=False, drafter_path="none", cuda_graphs=False, max_num_seqs=4,
-                      max_num_batched_tokens=args.chunk, **mode_kwargs(mode, args.keep))
+            kw = dict(use_tqdm=False, drafter_path="none", max_num_seqs=4, max_num_batched_tokens=args.chunk,
+                      **graph_kwargs(args), **mode_kwargs(mode, args.keep))
             if args.kv_gb:
                 kw["kv_cache_memory_gb"] = args.kv_gb
             llm = LLM(path, **kw)
             mc, sched = llm.engine.model_config, llm.engine.scheduler
             if mode == "exact":
-                info.append({"model": name, "layers": mc.num_hidden_layers, "sliding_layers": sched.n_sliding,
+                info.append({"model": name, "random_weights": random_weights,
+                             "layers": mc.num_hidden_layers, "sliding_layers": sched.n_sliding,
                              "window": mc.sliding_window, "hidden": mc.hidden_size,
                              "exact_replay_tokens": sched.replay_keep})
             gen = torch.Generator().manual_seed(0)
@@ -155,7 +164,8 @@ def prefill_table(args, budget: Budget) -> dict:
                     g = torch.Generator().manual_seed(1000 * p + r + 1)
                     prefix = torch.randint(4, vocab, (p,), generator=g).tolist()
                     reps.append(follow_up(llm, prefix, args, g, vocab, mode != "no-cache"))
-                row = {"model": name, "mode": mode, "prefix": p, "replay_keep": sched.replay_keep,
+                row = {"model": name, "random_weights": random_weights, "mode": mode, "prefix": p,
+                       "replay_keep": sched.replay_keep,
                        **{k: reps[0][k] for k in ("prompt_tokens", "prefilled", "replayed")},
                        "snapshot_hits": sum(x["snapshot"] for x in reps), "repeats": len(reps),
                        "ttft_ms": round(statistics.median(x["ttft_ms"] for x in reps), 2),
@@ -284,7 +294,7 @@ def drift_table(args, budget: Budget) -> dict:
     settings += [(f"bounded {k}", dict(swa_replay_tokens=k if k == "auto" else int(k))) for k in args.drift_keeps]
     # (a TTL longer than the run: every follow-up comes after all of turn 1, which is not what is measured)
     settings.append(("snapshot", dict(swa_replay_tokens=0, swa_snapshots=len(convs), swa_snapshot_ttl_s=1e6)))
-    kw = dict(cuda_graphs=False)
+    kw = graph_kwargs(args)
     if args.kv_gb:
         kw["kv_cache_memory_gb"] = args.kv_gb
     runs = drift_runs(args.drift_model, convs, settings, args.drift_answer, args.drift_cont, budget, kw)
@@ -292,6 +302,7 @@ def drift_table(args, budget: Budget) -> dict:
     for r in rows:
         print(r, flush=True)
     return {"target": args.drift_model or "default pair (nanodspark/assets/default + its drafter)",
+            "random_weights": False if args.drift_model is None else "unknown (a given checkpoint)",
             "gamma": runs[0]["gamma"] if runs else None, "rows": rows}
 
 
@@ -349,6 +360,8 @@ def swa_bench(args) -> dict:
         result["prefill"] = prefill_table(args, budget)
     if "drift" in args.parts:
         result["drift"] = drift_table(args, budget)
+    result["random_weights"] = sorted({r["model"] for r in result.get("prefill", {}).get("rows", [])
+                                       if r["random_weights"]})      # the rest: trained weights
     result["skipped"] = budget.skipped
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
@@ -382,7 +395,8 @@ def add_swa_args(p) -> None:
                    help="bounded replay lengths compared with exact ('auto' = the suffix rule)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--kv-gb", type=float, default=0.0, help="KV cache memory (0 = 16 GB on CUDA, the engine's default on a CPU)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="skip rows that would start after this")
+    p.add_argument("--budget-s", type=float, default=240.0, help="skip rows that would start after this")
+    p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (every decode step eager)")
     p.add_argument("--quick", action="store_true", help="one repeat, short answers, 16 conversations (< 90 s on an H200)")
     p.add_argument("--smoke", action="store_true", help="tiny random shapes on the CPU (checks the script)")
     p.add_argument("--out", default="")
