@@ -223,6 +223,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, 
     for j in tl.static_range(TOP_K):         # k times: the largest left (lowest index on ties)
         m = tl.max(p, 0)
         idx = tl.min(tl.where(p == m, offs, BLOCK_E), 0)
+        idx = tl.minimum(idx, E - 1)         # a row of NaNs (a padding row's garbage) still names an expert
         tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64))
         tl.store(w_ptr + t * TOP_K + j, m)
         total += m

@@ -38,12 +38,13 @@ def map_to_replicas_ref(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.
 
 
 @triton.jit
-def _map_kernel(ids_ptr, out_ptr, log2phy_ptr, logcnt_ptr, step_ptr, cu_ptr, load_ptr, P, last,
+def _map_kernel(ids_ptr, out_ptr, log2phy_ptr, logcnt_ptr, step_ptr, cu_ptr, load_ptr, P, N, last,
                 TOP_K: tl.constexpr, WIDTH: tl.constexpr, HAS_CU: tl.constexpr, RECORD: tl.constexpr,
                 BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < P
     e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    e = tl.minimum(tl.maximum(e, 0), N - 1)    # never read outside the map, whatever a padding row holds
     row = offs // TOP_K
     cnt = tl.load(logcnt_ptr + e, mask=ok, other=1)
     replica = (row + tl.load(step_ptr)) % cnt
@@ -69,6 +70,6 @@ def map_to_replicas(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tens
     has_cu = cu_seqlens is not None
     _map_kernel[(triton.cdiv(P, block),)](
         ids, out, log2phy, logcnt, step, cu_seqlens if has_cu else ids,
-        load if load is not None else out, P, (cu_seqlens.shape[0] - 1) if has_cu else 0,
+        load if load is not None else out, P, log2phy.shape[0], (cu_seqlens.shape[0] - 1) if has_cu else 0,
         TOP_K=k, WIDTH=log2phy.shape[1], HAS_CU=has_cu, RECORD=load is not None, BLOCK=block, num_warps=4)
     return out

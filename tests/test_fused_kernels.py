@@ -200,3 +200,14 @@ def test_route_topk_matches_the_torch_router(renorm):
         gw, gids = route_topk(logits, k, renorm)
         assert torch.equal(gids, ids)
         torch.testing.assert_close(gw, w, atol=1e-6, rtol=1e-5)
+
+
+def test_route_topk_names_a_real_expert_on_a_row_of_nans():
+    """A graph tier's padding rows hold whatever the buffers held, NaNs included; their ids go
+    to the EPLB map and the expert kernels as addresses, so they must stay in [0, E) (on the
+    H200 an out-of-range id read past the replica map: an illegal memory access)."""
+    from kernels.moe import route_topk
+    logits = torch.randn(3, 60, device=DEV)
+    logits[1] = float("nan")
+    _, ids = route_topk(logits, 4, True)
+    assert ((ids >= 0) & (ids < 60)).all()

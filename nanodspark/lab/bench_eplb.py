@@ -142,10 +142,12 @@ def placement_rows(source: str, steps: torch.Tensor, args) -> list[dict]:
                 continue
             row = {"source": source, **evaluate(steps, ep, r)}
             rows.append(row)
-            print(f"  {source:28s} EP {ep} +{r:2d}: balancedness {row['balancedness_before']:.3f} -> "
-                  f"{row['balancedness_after']:.3f} (in-sample {row['balancedness_after_in_sample']:.3f}), "
-                  f"straggler {row['straggler_before']:.2f} -> {row['straggler_after']:.2f}, modelled MoE "
-                  f"speed-up {row['modelled_moe_speedup']:.2f}x", flush=True)
+            f = {k: ("n/a" if v is None else f"{v:.3f}" if "balanced" in k else f"{v:.2f}")
+                 for k, v in row.items() if isinstance(v, float) or v is None}   # None: a window without traffic
+            print(f"  {source:28s} EP {ep} +{r:2d}: balancedness {f['balancedness_before']} -> "
+                  f"{f['balancedness_after']} (in-sample {f['balancedness_after_in_sample']}), "
+                  f"straggler {f['straggler_before']} -> {f['straggler_after']}, modelled MoE "
+                  f"speed-up {f['modelled_moe_speedup']}x", flush=True)
     return rows
 
 
