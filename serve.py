@@ -102,11 +102,12 @@ def _sequence(tp):
 
 
 def _scalar(tp):
-    """The field type with `X | None` unwrapped to `X` (a `tuple[int, ...]` stays as it is)."""
+    """The field type with `X | None` unwrapped to `X` (a `tuple[int, ...]` stays as it is);
+    `int | str` is read as text (EngineConfig turns digits into an int)."""
     if typing.get_origin(tp) not in (typing.Union, types.UnionType):
         return tp
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp
+    return (str if str in args else args[0]) if args else tp
 
 
 def build_parser() -> argparse.ArgumentParser:

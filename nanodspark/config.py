@@ -383,7 +383,23 @@ class EngineConfig:
     kv_memory_fraction: float = 0.4       # share of free device memory the KV cache may take when sizing automatically
     cpu_kv_blocks: int = 2048             # default block count on CPU (RAM is not probed)
     enable_prefix_cache: bool = True      # reuse KV of full blocks shared with earlier prompts
-    swa_replay_tokens: int = 0            # tokens replayed for sliding layers after a prefix hit; 0 = exact length
+    # SWA replay after a prefix hit (swa_replay.py, walkthrough 13). What the sliding layers
+    # recompute of a cached prefix:
+    #   0 (exact)     N * (W - 1) tokens: the logits of a miss, up to kernel order (381 for the
+    #                 default pair: 3 sliding layers, W = 128);
+    #   n > 0         bounded to n tokens (DeepSeek-V4.1 keeps 140): an approximation;
+    #   "auto"        bounded to the window + the look-back, (1 + gamma) rows per verify window
+    #                 ahead of the frontier (1 window synchronous, 2 overlapped): for the default
+    #                 pair (W = 128, gamma = 5) 140 on CUDA (overlapped), 134 on CPU (synchronous).
+    # Never more than exact. 0 stays the default: the approximation is a deployment's choice.
+    swa_replay_tokens: int | str = 0      # 0 = exact, n = bounded to n tokens, "auto" = window + look-back
+    # SWA snapshots: a finished request's sliding-window KV (the last W positions of every sliding
+    # layer, ceil(W / block_size) + 1 blocks) kept for a follow-up, which then replays nothing.
+    # Eviction: the oldest snapshot goes first, when the pool is full, when a live request needs
+    # a sliding block (snapshots never cause a preemption), and after the TTL. A miss (evicted,
+    # expired, or never saved) falls back to swa_replay_tokens.
+    swa_snapshots: int = 0                # most snapshots kept at once (entries); 0 = off
+    swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
     # --- batching ---
     max_num_seqs: int = 64                # most requests running at once
     max_num_batched_tokens: int = 2048    # token budget of one forward (prefill chunks + decode + verify)
@@ -469,3 +485,11 @@ class EngineConfig:
         if self.eplb and self.tensor_parallel_size > 1:
             raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
                              "tensor_parallel_size > 1 yet")
+        if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
+            self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
+        if self.swa_replay_tokens != "auto" and (not isinstance(self.swa_replay_tokens, int)
+                                                 or self.swa_replay_tokens < 0):
+            raise ValueError(f"swa_replay_tokens must be 0 (exact), a positive count or 'auto', "
+                             f"not {self.swa_replay_tokens!r}")
+        if self.swa_snapshots < 0 or self.swa_snapshot_ttl_s <= 0:
+            raise ValueError("swa_snapshots must be >= 0 and swa_snapshot_ttl_s > 0")

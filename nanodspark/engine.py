@@ -181,7 +181,9 @@ class LLMEngine:
         if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
                              f"({self.decode_rows} rows = anchor + gamma drafts)")
-        self.scheduler = Scheduler(cfg, mc, managers)
+        from .swa_replay import look_back
+        overlapped = cfg.overlap and self.device.type == "cuda"      # the loop chosen below
+        self.scheduler = Scheduler(cfg, mc, managers, look_back(self.gamma, 2 if overlapped else 1))
         max_blocks = -(-(self.max_model_len + 2 * self.decode_rows) // cfg.block_size)
         self.state = DeviceState(cfg.max_num_seqs, list(managers), max_blocks, self.device)
         self.writes = StateWrites()
@@ -205,7 +207,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()
         from .overlap_loop import OverlapLoop, SyncLoop
-        self.loop = OverlapLoop(self) if cfg.overlap and self.device.type == "cuda" else SyncLoop(self)
+        self.loop = OverlapLoop(self) if overlapped else SyncLoop(self)
         if self.device.type == "cuda" and self.backend == "triton":
             self._tune_gemms()
         if use_graphs:
@@ -442,8 +444,8 @@ class LLMEngine:
             bm.truncate(t, min(t.num_tokens, keep))   # drop rejected speculative slots (not an in-flight step's)
             # a block freed here and a new one taken later sit in the same column: re-sync from it
             req.synced[g] = min(req.synced.get(g, 0), len(t.blocks))
-            if g == "sliding":
-                bm.release_outside_window(t, self.model_config.sliding_window, req.num_computed)
+            if g == "sliding":      # (a verify window cut short by a stop computed past the last token)
+                bm.release_outside_window(t, sched.window_kept, min(req.num_computed, req.num_tokens))
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 bm.commit(t, req.ids(start, req.num_computed), start)
@@ -462,6 +464,8 @@ class LLMEngine:
             sched.running.remove(req)
         if req in sched.waiting:
             sched.waiting.remove(req)
+        if reason in ("stop", "length"):        # a follow-up may extend it: keep its sliding-window KV
+            sched.save_snapshot(req)
         sched.free(req)
         req.status, req.finish_reason, req.finish_time, req.error = Status.FINISHED, reason, time.monotonic(), error
         if self.metrics is not None:

@@ -71,7 +71,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     replay_until: int = 0                 # SWA replay rows (see swa_replay.py)
-    kv_start: int = 0
+    kv_start: int = 0                     # first position its sliding layers read
+    admitted_at: int = 0                  # num_computed when last admitted: the prefix hit less any replay
     text: str = ""                        # decoded output so far (= decode(output_ids[:detok_read]))
     emitted: int = 0                      # characters of `text` already streamed
     detok_prefix: int = 0                 # incremental detokenizer (detokenizer.py): the decode window starts here

@@ -1,36 +1,78 @@
-"""SWA bounded replay: a prefix-cache hit on a hybrid model recomputes only a bounded suffix.
+"""SWA replay and SWA snapshots: what a prefix-cache hit on a hybrid model still recomputes.
 
-Idea (DeepSeek-V4.1's "SWA bounded replay", YOCO-style hybrids). Full-attention layers keep
-paged, prefix-cacheable KV; sliding-window layers keep only the KV of the last `W` positions,
-which is *not* prefix cached. After a hit of `hit` tokens, the full layers have everything,
-but the sliding layers have nothing. Replaying the last `R` tokens of the hit through the whole
-model rebuilds the sliding KV; those replay rows do not store into the full group (their KV is
-already cached and shared), and sliding attention reads no position below the replay start.
+The idea (DeepSeek-V4.1's "SWA bounded replay"; YOCO-style hybrids, Sun et al. 2024; what is
+public about both: ../shared/reference/components.md §2.3-2.6; walkthrough chapter 13).
+Full-attention layers keep paged, prefix-cacheable KV; sliding-window layers need only the KV
+of the last `W` positions, which is *not* prefix cached (it depends on every token before it
+through the layers below, like all KV, but nothing keeps it once the request is gone). After a
+hit of `hit` tokens the full layers have everything and the sliding layers have nothing. There
+are two ways back:
 
-How long must the replay be? The sliding KV of layer l at position q is a projection of layer
-l's input at q. Inputs of the lowest sliding layer are exact at every replay row (only full
-layers sit below it, and they see the whole cached prefix). Each further sliding layer loses
-exactness on the first `W - 1` replay rows, because those rows see a truncated window. The
-next token needs sliding KV at positions `> hit - W`, in all `N` sliding layers, hence
+**Replay.** Recompute the last `R` tokens of the hit through the whole model. Those rows store
+nothing into the prefix-cached groups (their KV is already there, shared) and sliding attention
+reads no position below the replay start (`kv_start`). How long must `R` be? The sliding KV of
+layer l at position q is a projection of layer l's input at q. Inputs of the lowest sliding
+layer are exact at every replay row (only full layers sit below it, and they see the whole
+cached prefix). Each further sliding layer loses exactness on the first `W - 1` replay rows,
+because those rows saw a truncated window. The next token needs sliding KV at positions
+`> hit - W`, in all `N` sliding layers, hence
 
-    exact:    R = N * (W - 1)     (bit-for-bit the same logits as a cold prefill, up to kernel order)
-    bounded:  R = W + margin      (DeepInfer/V4.1 default 140 = 128 + 12: an approximation)
+    exact:    R = N * (W - 1)    the same logits as a cold prefill, up to kernel order
+    bounded:  R = W + look_back  an approximation: the upper sliding layers start from a
+                                 truncated window (DeepInfer / V4.1: 140 = 128 + 12)
 
-`EngineConfig.swa_replay_tokens = 0` picks the exact length; a positive value keeps that many
-tokens (the V4.1 setting is 140). `tests/test_swa_replay.py` checks the exact case equals a
-miss and measures the drift of the bounded case. Walkthrough chapter 02 (paged KV) explains it.
+Where a bounded replay's error goes: sliding layer k is exact from `start + (k - 1) * (W - 1)`
+on, so the logits at position q are exact once `q - start >= N * (W - 1) - 1`. A follow-up whose
+new part is long enough is therefore unaffected; a short one reads approximate KV for its first
+token and for the decode steps until the frontier passes that point. The rows after the hit
+store their KV and the drafter's features as usual: with the full layers all below the sliding
+ones (the default model's layout) the full KV stays exact, but the drafter's context (it reads
+sliding layers' features) and, in an interleaved layout, the full KV keep some of the error.
+
+The look-back is what the engine may write past a request's committed frontier and then take
+back: a verify window is the anchor + gamma drafts (`1 + gamma` rows), and with the overlapped
+loop (overlap_loop.py) a second window is launched before the first is read, so
+`look_back = (1 + gamma) * windows`, windows = 1 or 2 (`Scheduler.reservation` reserves that). An
+engine that keeps sliding KV in a ring of slots must hold `W + look_back` of them, or a rejected
+draft overwrites a key the next query still reads; the bounded suffix is that ring's content.
+DeepInfer's 12 is `(1 + 5) * 2` with its default of 5 draft tokens and async scheduling (our
+reading: its README names only "the maximum backtracking length"); the default pair here has
+gamma = 5 too, so `auto` gives 140 with the overlapped loop (CUDA) and 134 with the synchronous
+one. No setting replays more than the exact length.
+
+**Snapshot.** When a finished request's sliding-window KV is still in memory, a follow-up that
+extends it needs no replay at all: `SnapshotPool` keeps, for a finished request, the sliding
+blocks that hold positions `[end - W + 1, end)`, where `end` is the prefix its full-attention
+blocks publish, keyed by that prefix's chain hash (paged_kv.py). A new prompt whose prefix hit
+ends at the same hash starts at `end` with those blocks in its sliding table: exact, like a cold
+prefill up to kernel order, and it computes only the tokens after `end` (the new ones and at
+most `block_size - 1` of the old). The pool is bounded (`EngineConfig.swa_snapshots` entries;
+when full, the oldest goes), a snapshot unused for `swa_snapshot_ttl_s` seconds is dropped, and
+under KV pressure snapshots give their blocks back before any running request is preempted.
+A follow-up that finds no snapshot falls back to the configured replay.
+
+Invariants: a snapshot's blocks are held by it alone (ref count 1, unpublished), until a
+follow-up takes them (they move into its table) or the pool frees them; `tables()` lists them,
+so `BlockManager.check_invariants(live + pool.tables())` holds at every step; a plan never
+starts above the hit, and a replay never longer than the hit.
 """
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
+
+from .paged_kv import BlockManager, BlockTable
 
 
 @dataclass(frozen=True)
 class ReplayPlan:
     start: int          # first position computed by the prefill (the request's num_computed)
-    replay_until: int   # rows below this store nothing into the full group (already cached)
+    replay_until: int   # rows below this store nothing into the prefix-cached groups
+    kv_start: int       # first position sliding attention reads (the replay start, or a snapshot's)
 
 
+# ---- how long a replay is -------------------------------------------------------------------
 def exact_replay_tokens(window: int, n_sliding_layers: int) -> int:
     # BEGIN STUDENT swa-replay: exact_replay_tokens: how many tokens a replay needs so that every sliding
     #   layer's K/V above the hit is exact (each stacked sliding layer loses window - 1 rows)
@@ -38,14 +80,133 @@ def exact_replay_tokens(window: int, n_sliding_layers: int) -> int:
     # END STUDENT swa-replay
 
 
+def look_back(gamma: int, windows: int = 1) -> int:
+    """Positions past the committed frontier that the engine may write and take back: `windows`
+    verify windows of anchor + gamma drafts (1 with the synchronous loop; 2 with the overlapped
+    one, where a window is launched before the previous one is read)."""
+    return (1 + gamma) * windows
+
+
+def bounded_suffix(window: int, back: int) -> int:
+    """The suffix a bounded replay keeps: the window plus the look-back (128 + 12 = 140)."""
+    return window + back
+
+
+def replay_tokens(setting: int | str, window: int, n_sliding_layers: int, back: int) -> int:
+    """The replay length a `swa_replay_tokens` setting means: 0 = exact, "auto" = the window plus
+    the look-back, n > 0 = n; never more than the exact length (a longer one buys nothing)."""
+    exact = exact_replay_tokens(window, n_sliding_layers)
+    if setting == "auto":
+        return min(bounded_suffix(window, back), exact)
+    return exact if setting == 0 else min(int(setting), exact)
+
+
 def plan_replay(hit: int, window: int, n_sliding_layers: int, keep_tokens: int = 0) -> ReplayPlan:
     """Where a prefill starts after a prefix hit of `hit` tokens (multiple of the block size).
 
-    Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay."""
+    Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay; a
+    longer bound than the exact length is cut to it. Sliding attention reads from the start."""
     # BEGIN STUDENT swa-replay: plan_replay: start the prefill keep tokens before the hit (keep_tokens, or
-    #   the exact length when 0), never below 0; no hit or no sliding layer: no replay
+    #   the exact length when 0, never more than exact), never below 0; no hit or no sliding layer: no replay
     if hit == 0 or n_sliding_layers == 0:
-        return ReplayPlan(hit, hit)
-    keep = keep_tokens if keep_tokens > 0 else exact_replay_tokens(window, n_sliding_layers)
-    return ReplayPlan(max(0, hit - keep), hit)
+        return ReplayPlan(hit, hit, hit)
+    exact = exact_replay_tokens(window, n_sliding_layers)
+    keep = min(keep_tokens, exact) if keep_tokens > 0 else exact
+    start = max(0, hit - keep)
+    return ReplayPlan(start, hit, start)
     # END STUDENT swa-replay
+
+
+def snapshot_plan(end: int, window: int) -> ReplayPlan:
+    """A follow-up that found a snapshot ending at `end`: nothing replayed."""
+    return ReplayPlan(end, end, max(0, end - window + 1))
+
+
+# ---- snapshots ------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    end: int              # the prefix its full blocks publish; a follow-up starts here
+    table: BlockTable     # sliding blocks holding positions [end - W + 1, end); -1 below
+    saved: float          # clock time it was taken (the TTL counts from here)
+
+
+class SnapshotPool:
+    """Sliding-window KV of finished requests, kept for a follow-up. Keys: the chain hash of
+    the full-attention prefix the snapshot ends (`BlockTable.last_hash`)."""
+
+    def __init__(self, manager: BlockManager | None, window: int, capacity: int, ttl_s: float,
+                 clock=time.monotonic):
+        self.manager, self.window, self.ttl_s, self.clock = manager, window, ttl_s, clock
+        self.capacity = capacity if manager is not None else 0
+        self.entries: OrderedDict[int, Snapshot] = OrderedDict()   # oldest first
+        self.stats = dict(saved=0, hits=0, misses=0, uncovered=0, evicted=0, expired=0, reclaimed=0)
+
+    def save(self, key: int, end: int, table: BlockTable) -> bool:
+        """Move the blocks of `table` that hold positions [end - W + 1, end) into a snapshot
+        (their entries in `table` become -1, so freeing the table leaves them alone)."""
+        if self.capacity == 0 or end <= 0:
+            return False
+        bs = self.manager.block_size
+        lo, hi = max(0, end - self.window + 1) // bs, end // bs
+        kept = table.blocks[lo:hi]
+        if len(kept) < hi - lo or -1 in kept:    # released already: nothing exact to keep
+            self.stats["uncovered"] += 1
+            return False
+        if key in self.entries:                  # the same prefix again: the newer one stays
+            self._drop(key)
+        while len(self.entries) >= self.capacity:
+            self._drop(next(iter(self.entries)))
+            self.stats["evicted"] += 1
+        for i in range(lo, hi):
+            table.blocks[i] = -1
+        self.entries[key] = Snapshot(end, BlockTable([-1] * lo + kept, num_tokens=end), self.clock())
+        self.stats["saved"] += 1
+        return True
+
+    def take(self, key: int, end: int) -> Snapshot | None:
+        """The snapshot ending at `end` under `key`, removed from the pool (its blocks are the
+        caller's now), or None."""
+        if self.capacity == 0 or end <= 0:
+            return None
+        self.expire()
+        snap = self.entries.get(key)
+        if snap is None or snap.end != end:
+            self.stats["misses"] += 1
+            return None
+        del self.entries[key]
+        self.stats["hits"] += 1
+        return snap
+
+    def put_back(self, key: int, snap: Snapshot) -> None:
+        """Undo a `take` whose admission failed (its blocks were not touched)."""
+        self.stats["hits"] -= 1
+        self.entries[key] = snap
+        self.entries.move_to_end(key, last=False)   # it keeps its age
+
+    def expire(self) -> None:
+        now = self.clock()
+        for key in [k for k, s in self.entries.items() if now - s.saved > self.ttl_s]:
+            self._drop(key)
+            self.stats["expired"] += 1
+
+    def reclaim(self) -> bool:
+        """KV pressure: free the oldest snapshot. False when there is none."""
+        if not self.entries:
+            return False
+        self._drop(next(iter(self.entries)))
+        self.stats["reclaimed"] += 1
+        return True
+
+    def clear(self) -> None:
+        for key in list(self.entries):
+            self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        self.manager.free(self.entries.pop(key).table)
+
+    def tables(self) -> list[BlockTable]:
+        return [s.table for s in self.entries.values()]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(b != -1 for t in self.tables() for b in t.blocks)

@@ -245,3 +245,35 @@ def test_sampling_bench_smoke_runs_the_three_engines_and_writes_json(tiny_dir, t
         assert all(r[n]["tok_s"] > 0 for n in bs.ENGINES)
         assert r["coupled-bi"]["request0_same_as_first_batch"]       # the reproducible engine
     assert "| reproducible / fastest |" in bs.markdown(res)
+
+
+def test_swa_bench_smoke_writes_both_tables(tiny_dir, tmp_path):
+    """`bench swa --smoke`: the follow-up prefill table on a tiny random hybrid (window 16) and
+    the drift table on the tiny pair; the token counts are the mechanism's, exactly."""
+    from nanodspark.lab import bench_swa as bsw
+    from nanodspark.lab.bench import build_parser
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    out = tmp_path / "swa.json"
+    args = build_parser().parse_args(["swa", "--smoke", "--prefixes", "64", "--drift-model", str(model),
+                                      "--drift-keeps", "auto", "--out", str(out)])
+    res = bsw.swa_bench(args)
+    rows = {r["mode"]: r for r in res["prefill"]["rows"]}
+    assert set(rows) == set(bsw.MODES) and res["prefill"]["models"][0]["exact_replay_tokens"] == 30
+    # 64 prefix + 4 answer + 8 new tokens; turn 1 published 64 (blocks of 16): the hit
+    assert rows["no-cache"]["prefilled"] == rows["no-cache"]["prompt_tokens"] == 76
+    assert (rows["exact"]["replayed"], rows["exact"]["prefilled"]) == (30, 30 + 12)       # 2 * (16 - 1)
+    assert (rows["bounded"]["replayed"], rows["bounded"]["prefilled"]) == (17, 17 + 12)   # auto, no drafter: 16 + 1
+    assert (rows["snapshot"]["replayed"], rows["snapshot"]["prefilled"], rows["snapshot"]["snapshot_hits"]) == (0, 12, 1)
+    assert all(r["ttft_ms"] > 0 for r in rows.values()) and rows["snapshot"]["prefill_cut"] > 0.8
+    drift = {r["setting"]: r for r in res["drift"]["rows"]}
+    assert set(drift) == {"exact", "bounded auto", "snapshot"} and res["drift"]["gamma"] == 4
+    assert drift["exact"]["kl_max"] == 0 and drift["exact"]["continuation_identical"] == 1
+    assert drift["snapshot"]["kl_max"] < 1e-9 and drift["snapshot"]["snapshot_hits"] == 2
+    assert drift["bounded auto"]["replay_keep"] == 16 + 5 and drift["bounded auto"]["tau"] >= 1
+    assert res["suffix_rule"]["deepinfer"] == 140 and res["device"] and res["torch"]
+    assert res["random_weights"] == ["hybrid Qwen3 tiny shape, RANDOM weights"]
+    assert all(r["random_weights"] for r in res["prefill"]["rows"]) and not res["skipped"]
+    saved = json.loads(out.read_text())
+    assert saved["argv"] and saved["prefill"]["rows"] and "| setting |" in bsw.markdown(saved)

@@ -543,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_profile as bp
     from . import bench_sampling as bsa
     from . import bench_speed as bsp
+    from . import bench_swa as bsw
     from . import bench_tp as btp
     from . import timeline as tl
     for name, helptext, add_args, run in (
@@ -562,7 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("eplb", "expert load balance on recorded routing, simulated EP 4/8, rebalancing a running engine",
              bl.add_eplb_args, bl.run),
             ("sampling", "tau and tok/s of coupled vs rejection verification per workload; the cost of "
-             "batch invariance at batch 1/64/256", bsa.add_sampling_args, bsa.run)):
+             "batch invariance at batch 1/64/256", bsa.add_sampling_args, bsa.run),
+            ("swa", "SWA replay and snapshots: follow-up prefill and TTFT, bounded replay drift", bsw.add_swa_args,
+             bsw.swa_bench)):
         sp = sub.add_parser(name, help=helptext)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0

@@ -75,7 +75,7 @@ UNITS: tuple[Unit, ...] = (
     Unit("swa-replay", "SWA bounded replay: where a prefill starts after a prefix hit",
          "walkthrough/02_paged_kv.md",
          ("tests/test_swa_replay.py::test_plan_replay",
-          "tests/test_swa_replay.py::test_exact_replay_equals_cold_prefill_and_bounded_replay_drifts"),
+          "tests/test_swa_replay.py::test_exact_replay_equals_cold_prefill_and_bounded_replay_drift_is_measured"),
          ("tests/test_swa_replay.py::test_plan_replay",)),
     Unit("drafter", "the block drafter: parallel block pass, Markov head, confidence head",
          "walkthrough/05_drafter_verify.md",
