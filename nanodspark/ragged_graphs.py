@@ -37,6 +37,7 @@ order of GEMMs of another height; padding rows never write the KV cache or the d
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -155,8 +156,18 @@ class RaggedGraphs:
         t0 = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         self.pool = self.pool or torch.cuda.graph_pool_handle()
-        for tier, variant in tqdm(keys, desc="capture CUDA graphs", disable=not progress, leave=False):
-            self._capture(tier, variant)
+        # No garbage collection while capturing: freeing an old engine's graphs or tensors then
+        # is an operation a capturing stream forbids, and it invalidates the capture (seen on the
+        # H200 when a second LLM was built in a process that had dropped the first).
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for tier, variant in tqdm(keys, desc="capture CUDA graphs", disable=not progress, leave=False):
+                self._capture(tier, variant)
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_allocated(self.device) - before

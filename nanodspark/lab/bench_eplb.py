@@ -132,6 +132,12 @@ def evaluate(steps: torch.Tensor, ep: int, redundant: int) -> dict:
             "colocated_replicas": colocated_replicas(phy2log, ep)}
 
 
+def formatted(row: dict) -> dict:
+    """A row's figures as text: balance to 3 places, the rest to 2, "n/a" for a window without traffic."""
+    return {k: ("n/a" if v is None else f"{v:.3f}" if "balanced" in k else f"{v:.2f}")
+            for k, v in row.items() if isinstance(v, (float, int)) or v is None}
+
+
 def placement_rows(source: str, steps: torch.Tensor, args) -> list[dict]:
     rows = []
     N = steps.shape[2]
@@ -142,8 +148,7 @@ def placement_rows(source: str, steps: torch.Tensor, args) -> list[dict]:
                 continue
             row = {"source": source, **evaluate(steps, ep, r)}
             rows.append(row)
-            f = {k: ("n/a" if v is None else f"{v:.3f}" if "balanced" in k else f"{v:.2f}")
-                 for k, v in row.items() if isinstance(v, float) or v is None}   # None: a window without traffic
+            f = formatted(row)
             print(f"  {source:28s} EP {ep} +{r:2d}: balancedness {f['balancedness_before']} -> "
                   f"{f['balancedness_after']} (in-sample {f['balancedness_after_in_sample']}), "
                   f"straggler {f['straggler_before']} -> {f['straggler_after']}, modelled MoE "
@@ -371,8 +376,9 @@ def markdown(res: dict) -> str:
            "per-step balancedness before → after | modelled MoE speed-up |"
     lines = [head, "|---|---:|---:|---|---|---|---:|"]
     for r in res["rows"]:
-        lines.append(f"| {r['source']} | {r['ep_size']} | {r['redundant']} | {r['balancedness_before']:.3f} → "
-                     f"{r['balancedness_after']:.3f} | {r['straggler_before']:.2f} → {r['straggler_after']:.2f} | "
-                     f"{r['step_balancedness_before']:.3f} → {r['step_balancedness_after']:.3f} | "
-                     f"{r['modelled_moe_speedup']:.2f}× |")
+        f = formatted(r)
+        lines.append(f"| {r['source']} | {r['ep_size']} | {r['redundant']} | {f['balancedness_before']} → "
+                     f"{f['balancedness_after']} | {f['straggler_before']} → {f['straggler_after']} | "
+                     f"{f['step_balancedness_before']} → {f['step_balancedness_after']} | "
+                     f"{f['modelled_moe_speedup']}× |")
     return "\n".join(lines)
