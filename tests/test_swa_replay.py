@@ -78,8 +78,9 @@ def test_engine_config_replay_settings():
 def test_auto_in_the_engine_follows_its_drafter(tiny_dir, tmp_path):
     drafter = make_drafter(tiny_dir, tmp_path / "d", gamma=4)
     llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter), swa_replay_tokens="auto")
-    assert llm.engine.scheduler.replay_keep == WINDOW + (1 + 4)     # CPU: the synchronous loop
-    assert LLM(str(tiny_dir), use_tqdm=False, swa_replay_tokens="auto").engine.scheduler.replay_keep == WINDOW + 1
+    windows = 2 if llm.engine.device.type == "cuda" else 1           # the overlapped loop on CUDA
+    assert llm.engine.scheduler.replay_keep == WINDOW + (1 + 4) * windows
+    assert LLM(str(tiny_dir), use_tqdm=False, swa_replay_tokens="auto").engine.scheduler.replay_keep == WINDOW + windows
 
 
 # ---- exactness ------------------------------------------------------------------------------
@@ -163,7 +164,8 @@ def test_snapshot_hit_equals_cold_prefill_and_replays_nothing(tiny_dir):
     p2 = p1 + out1 + [5, 6, 7]
     want, _ = first_logits(cold, p2)
     got, req = first_logits(snap, p2)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    tol = 2e-5 if snap.engine.dtype == torch.float32 else 3e-2    # up to kernel order (bf16 on CUDA)
+    torch.testing.assert_close(got, want, atol=tol, rtol=5 * tol)
     assert pool.stats["hits"] == 1
     assert (req.admitted_at, req.replay_until, req.kv_start) == (68, 68, 68 - WINDOW + 1)   # nothing replayed
     # the answer itself, through decode steps that read the snapshot's blocks
