@@ -67,6 +67,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import functools
 import hashlib
 import os
 import re
@@ -339,6 +340,33 @@ def plan_reads(cfg: ModelConfig, layout: Layout, keys: list[str], local: set[str
 
 
 # ----------------------------------------------------------------------------- processes
+def meet_watching(procs, meet, poll_s: float = 0.2):
+    """Run rank 0's rendezvous `meet()` while watching the spawned workers: a worker that exits
+    before the ranks have met can never arrive, so say so now rather than wait out the timeout.
+    (The usual cause: the engine is built at the top level of a script, and each spawned worker,
+    which imports that script, tries to build it again.)"""
+    out, err = [], []
+
+    def run():
+        try:
+            out.append(meet())
+        except BaseException as e:      # handed to the caller's thread
+            err.append(e)
+    t = threading.Thread(target=run, name="nanodspark-tp-meet", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(poll_s)
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead and t.is_alive():
+            raise RuntimeError(
+                f"worker {dead[0].name} exited (code {dead[0].exitcode}) before the ranks met; if the "
+                "engine is built at the top level of a script, put it under "
+                "`if __name__ == \"__main__\":` (spawned workers import the script)")
+    if err:
+        raise err[0]
+    return out[0]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -424,8 +452,9 @@ class Parallel:
         device = _rank_device(device, rank)
         if device.type == "cpu":        # N processes share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+        meet = functools.partial(dist.init_process_group, backend, init_method=init, rank=rank, world_size=world,
+                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+        meet_watching(procs, meet) if procs else meet()   # the thread count above stays this thread's
         return cls(rank, world, cfg.expert_parallel_size, backend, device, cfg.dist_timeout_s, procs)
 
     def min_int(self, n: int) -> int:

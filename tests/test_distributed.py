@@ -322,3 +322,21 @@ def test_bench_tp_runs_on_the_cpu_and_reports_allreduce_time(tmp_path):
     assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, 2, 1), (2, 2, 3)]
     for r in rows:
         assert r["tok_s"] > 0 and r["allreduces_per_step"] == 2 * 2 + 1 and r["allreduce_ms_per_step"] > 0
+
+
+def test_rank_0_stops_waiting_when_a_worker_dies_before_the_ranks_meet():
+    """A worker that exits before the rendezvous (e.g. a script without a __main__ guard) ends
+    rank 0's wait at once with a message that says why, instead of at the timeout; a
+    rendezvous that completes returns its value, and its error is raised as it is."""
+    import time
+    from types import SimpleNamespace
+    from nanodspark.distributed import meet_watching
+    dead = SimpleNamespace(name="nanodspark-tp1", exitcode=1)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="__main__"):
+        meet_watching([dead], lambda: time.sleep(30), poll_s=0.05)
+    assert time.perf_counter() - t0 < 5
+    alive = SimpleNamespace(name="nanodspark-tp1", exitcode=None)
+    assert meet_watching([alive], lambda: "met", poll_s=0.05) == "met"
+    with pytest.raises(ValueError, match="bad"):
+        meet_watching([alive], lambda: (_ for _ in ()).throw(ValueError("bad")), poll_s=0.05)
