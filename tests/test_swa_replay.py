@@ -289,7 +289,8 @@ def test_greedy_spec_equals_target_only_with_the_same_replay_mode(tiny_dir, tmp_
     spec = LLM(str(tiny_dir), drafter_path=str(drafter), **kw)
     if mode == "bounded":      # "auto" follows the drafter: give the target-only engine the same length
         kw["swa_replay_tokens"] = spec.engine.scheduler.replay_keep
-        assert kw["swa_replay_tokens"] == WINDOW + 5
+        windows = 2 if spec.engine.device.type == "cuda" else 1      # the overlapped loop on CUDA
+        assert kw["swa_replay_tokens"] == WINDOW + 5 * windows
     base = LLM(str(tiny_dir), **kw)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     ps = conversations(4, random.Random(5), lo=40, hi=70)
