@@ -1,11 +1,14 @@
-"""Tests of nanodspark/paged_kv.py: unit tests per method, then a hypothesis state machine that
-drives a small pool like an engine would (prefill, speculative windows, rollback, sliding-window
-release, free) and checks it against a model computed from the live tables and a shadow KV."""
+"""Tests of nanodspark/paged_kv.py from the inside: unit tests per method that also check its
+internal state (reference counts, the hash cache, the free lists, `check_invariants`), then a
+hypothesis state machine that drives a small pool like an engine would (prefill, speculative
+windows, rollback, sliding-window release, free) and checks it against a model computed from the
+live tables and a shadow KV. What any implementation must do, through public names only, is in
+tests/test_paged_kv_contract.py (the course grades with it); a case that needs nothing internal
+lives there, not here."""
 import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanodspark import paged_kv
 from nanodspark.paged_kv import BlockManager, BlockTable, NoFreeBlocks
 
 
@@ -65,21 +68,6 @@ def test_hit_never_covers_whole_prompt():
     assert m.match_prefix(list(range(8))) == 4 and m.match_prefix(list(range(9))) == 8
     assert m.allocate_prompt(list(range(9)), max_cached_tokens=4).num_cached_tokens == 4
     assert a.num_tokens == 8
-
-
-def test_hit_needs_the_whole_chain():
-    m = BlockManager(16, 4)
-    prefilled(m, [1, 1, 1, 1, 2, 2, 2, 2, 3])
-    # Same second block after a different first block: its chain hash differs -> no hit.
-    assert m.allocate_prompt([0, 1, 1, 1, 2, 2, 2, 2, 3]).num_cached_tokens == 0
-
-
-def test_hash_collision_is_verified(monkeypatch):
-    monkeypatch.setattr(paged_kv, "chain_hash", lambda parent, tokens: 7)  # everything collides
-    m = BlockManager(16, 2)
-    prefilled(m, [1, 2, 3])
-    assert m.allocate_prompt([1, 2, 3]).num_cached_tokens == 2
-    assert m.allocate_prompt([5, 6, 3]).num_cached_tokens == 0  # same hash, other tokens
 
 
 def test_prefix_cache_disabled():
@@ -207,14 +195,6 @@ def test_release_outside_window():
     m.free(t)
     assert m.num_free_blocks == 8
     m.check_invariants([])
-
-
-def test_released_published_block_stays_cached():
-    m = BlockManager(8, 2)
-    t = prefilled(m, [1, 2, 3, 4, 5])
-    m.release_outside_window(t, window=1, num_committed=5)
-    assert t.blocks[:2] == [-1, -1]
-    assert m.allocate_prompt([1, 2, 3, 4, 9]).num_cached_tokens == 4
 
 
 # ---- free and eviction ------------------------------------------------------------------------
