@@ -144,15 +144,26 @@ def test_sampling_spec_follows_target_distribution(tmp_path, mode):
         assert llm.engine.windows.scheduler.effective_mode() == mode
         trimmed = sum(w < 3 for w in chosen) / len(chosen)
         assert 0.05 < trimmed < 1.0, f"the scheduler should trim some windows and not all ({trimmed:.2f})"
+    chi2 = continuation_chi2(outs, exact)
+    # df = 124; P(chi2 > 190) ~ 1e-4 under the null
+    assert chi2 < 190, chi2
+    acc = acceptance(outs)
+    assert 0.05 < acc < 0.95, acc  # rejections and residual samples really happened
+    check_no_leak(llm)
+
+
+def continuation_chi2(outs, exact: dict) -> float:
+    """Pearson's chi-square of the generated continuations against their exact distribution."""
     counts = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    chi2 = sum((counts.get(s, 0) - N * p) ** 2 / (N * p) for s, p in exact.items())
-    # df = 124; P(chi2 > 190) ~ 1e-4 under the null
-    assert chi2 < 190, chi2
-    acc = sum(o.spec["accepted"] for o in outs) / max(1, sum(o.spec["verified"] for o in outs))
-    assert 0.05 < acc < 0.95, acc  # rejections and residual samples really happened
-    check_no_leak(llm)
+    n = len(outs)
+    return sum((counts.get(s, 0) - n * p) ** 2 / (n * p) for s, p in exact.items())
+
+
+def acceptance(outs) -> float:
+    """Accepted drafts over verified drafts, over all requests."""
+    return sum(o.spec["accepted"] for o in outs) / max(1, sum(o.spec["verified"] for o in outs))
 
 
 class WindowLog:
@@ -284,10 +295,7 @@ def test_coupled_sampling_follows_target_distribution(tmp_path):
     llm = LLM(str(d), use_tqdm=False, drafter_path=str(ddir), max_num_seqs=512, coupled_sampling=True)
     outs = llm.generate([[1, 3, 0, 2]] * N, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
                                              for i in range(N)])
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    chi2 = sum((counts.get(s, 0) - N * p) ** 2 / (N * p) for s, p in exact.items())
+    chi2 = continuation_chi2(outs, exact)
     assert chi2 < 190, chi2
-    acc = sum(o.spec["accepted"] for o in outs) / max(1, sum(o.spec["verified"] for o in outs))
+    acc = acceptance(outs)
     assert 0.02 < acc < 0.98, acc
