@@ -31,6 +31,7 @@ step was in flight is dropped. Walkthrough chapter 01.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from contextlib import contextmanager
@@ -367,9 +368,13 @@ class LLMEngine:
         sp.greedy_only = all(r.params.greedy for r in reqs)
         sp.truncates = any(r.params.truncates for r in reqs)
         if self.parallel is not None:         # rank 0 sends the step, every rank runs it (distributed.py)
-            return self.parallel.launch(self, w, sp)
-        self.state.apply(w)
-        return self.executor.launch(sp)
+            handle = self.parallel.launch(self, w, sp)
+        else:
+            self.state.apply(w)
+            handle = self.executor.launch(sp)
+        if self.eplb is not None:             # close the step's expert loads, in stream order after its forward
+            self.eplb.launched()
+        return handle
 
     def _sync_state(self, req: Request) -> None:
         """Queue what the device does not know yet about `req`: its parameters (new slot) and the
@@ -386,8 +391,10 @@ class LLMEngine:
             req.synced[g] = len(t.blocks)
 
     def commit(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result to its requests; observers see it afterwards."""
-        outs = []
+        """Apply a step's result to its requests; observers see afterwards what was applied (not
+        the rows of requests that had finished or whose numbers broke: their confidences are
+        stale or NaN, and nothing will settle their statistics)."""
+        outs, applied = [], []
         for c in result.commits:
             req = c.request
             if c.verify is not None or c.tokens:
@@ -403,8 +410,10 @@ class LLMEngine:
                 req.num_computed += c.advanced
                 self._count(req, c.verify)
             outs.append(self._apply(req, c.tokens))
+            applied.append(c)
+        seen = result if len(applied) == len(result.commits) else dataclasses.replace(result, commits=applied)
         for o in self.observers:
-            o.observe(result)
+            o.observe(seen)
         return outs
 
     @property

@@ -448,10 +448,15 @@ class ExpertBalancer:
         self._summary, self._pending = None, None
 
     # -- the observer ---------------------------------------------------------------------
-    def observe(self, result) -> None:
-        """After each committed step: close it in the recorder; every `interval` steps, rebalance."""
+    def launched(self) -> None:
+        """Right after a step's forward is enqueued: close it in the recorder (in-place device ops,
+        ordered after that forward and before the next). At launch, not at commit: the overlapped
+        loop launches step n+1 before it commits step n, and both would land in one window row."""
         self.recorder.advance()
         self.step += 1
+
+    def observe(self, result) -> None:
+        """After each committed step: every `interval` steps, rebalance."""
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()

@@ -10,8 +10,35 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+def _share_the_gpu() -> None:
+    """pytest-xdist's workers share one GPU, and an engine sizes its KV cache from the device's
+    free memory (a fraction of it): the first worker's engines would take most of the card and
+    the others' would fail to allocate. Under xdist each worker sees 1/N of the card as its own."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if n <= 1 or not torch.cuda.is_available():
+        return
+    whole = torch.cuda.mem_get_info
+
+    def share(device=None):
+        free, total = whole(device)
+        return max(0, min(free, total // n - torch.cuda.memory_reserved(device))), total // n
+    torch.cuda.mem_get_info = share
+
+
+_share_the_gpu()
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT / "nanodspark" / "assets" / "default" / "tokenizer.json"
+
+# Token-for-token comparisons between two engines whose steps differ in shape (one-token decode
+# against verify windows, a dense oracle against paged attention) need numbers that do not round
+# two ways. On the CPU the tests run in float32 already; on the GPU the default is bfloat16, where
+# a random tiny model's near-ties (its top two logits, or two experts' router scores, one bf16 step
+# apart) can flip with the kernel's shape without either engine being wrong. Such tests pass EXACT:
+# float32 there too (the kernels' dots are IEEE float32, not tf32), on the same kernels and graphs.
+EXACT = {"dtype": "float32"}
+ENGINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # where LLM(...) runs by default (keys cost tables)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,

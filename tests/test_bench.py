@@ -47,7 +47,8 @@ def test_profile_and_dspark_sweep_run_and_write_json_and_png(tiny_dir, tmp_path)
     assert all(set(r["phase_ms"]) == set(be.PHASES) for r in spec_rows)
     assert all(set(r["phase_ms"]) == set(be.PHASES) for r in res["sweep"] if r["mode"] == "no-spec")
     # (wall_s is rounded to the millisecond, hence the slack)
-    assert all(0 < sum(r["phase_ms"].values()) <= 1e3 * (r["wall_s"] + 1e-3) / r["engine_steps"] for r in res["sweep"])
+    assert all(0 < sum(r["phase_ms"].values()) <= 1e3 * (r["wall_s"] + 1e-3) / r["engine_steps"] for r in res["sweep"]), [
+        (r["mode"], r["phase_ms"], r["wall_s"], r["engine_steps"]) for r in res["sweep"]]
     phases = be.phase_markdown(res)
     assert phases.count("\n") == len(res["sweep"]) + 1 and "| mix, 2, compact |" in phases
     assert set(res["mixed_traffic_cap_accept"]["by_workload"]) == {"math", "chat", "poetry", "code"}
@@ -156,11 +157,11 @@ def test_whole_step_profile_holds_acceptance_fixed(tiny_dir, tmp_path):
     per request per step (the table prices verifying, not committing); `commit_drafts=True`
     (`--acceptance traffic`) commits them."""
     from nanodspark import LLM
-    from test_verify import use_oracle
+    from test_verify import ORACLE, use_oracle
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
-    llm = LLM(str(model), use_tqdm=False, max_num_seqs=2, kv_cache_memory_gb=0.05, verify_mode="compact")
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=2, kv_cache_memory_gb=0.05, verify_mode="compact", **ORACLE)
     eng, running = llm.engine, llm.engine.scheduler.running
     policy = eng.windows
     use_oracle(eng)

@@ -317,7 +317,8 @@ def test_bench_tp_runs_on_the_cpu_and_reports_allreduce_time(tmp_path):
     assert main(["tp", "--shapes", "tiny", "--tp", "2", "--ep", "2", "--batches", "1", "3", "--steps", "2",
                  "--warmup", "1", "--context", "20", "--device", "cpu", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["random_weights"] is True
+    assert res["random_weights"] is True and res["benchmark"] == "tp"
+    assert res["device"].startswith("cpu: ") and res["torch"] and "argv" in res    # what ran it, on what
     rows = res["rows"]
     assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, 2, 1), (2, 2, 3)]
     for r in rows:

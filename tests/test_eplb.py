@@ -255,7 +255,7 @@ def test_recorder_counts_equal_the_routers_own_top_k(tiny_dir):
     tops = [moe.route(x)[1] for moe, x in seen]                          # the router's own top-k
     physical = [map_to_replicas_ref(top, m.replicas.log2phy, m.replicas.logcnt, m.replicas.step)
                 for (m, _), top in zip(seen, tops)]                      # the step's replica rule
-    bal.observe(None)                                                    # closes the step
+    bal.launched()                                                       # closes the step
     for l, (moe, x) in enumerate(seen):
         top = tops[l]
         want_logical = torch.bincount(top.flatten(), minlength=bal.num_logical)

@@ -19,7 +19,7 @@ MODES = ["static", "compact", "cap-accept"]
 
 @pytest.fixture(scope="module")
 def target_only():
-    return LLM(drafter_path="none", use_tqdm=False)
+    return LLM(drafter_path="none", use_tqdm=False, dtype="float32", device="cpu")    # as the speculative engines below
 
 
 @pytest.fixture(scope="module")

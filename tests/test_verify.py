@@ -12,7 +12,7 @@ from nanodspark.model import DenseAttentionContext
 from nanodspark.cost_scheduler import ForcedWindows
 from nanodspark.verify import accept_sampling, verify_block
 
-from conftest import make_hf_model, random_drafter
+from conftest import ENGINE_DEVICE, EXACT, make_hf_model, random_drafter
 from test_engine import check_no_leak, dense_greedy, prompts
 
 
@@ -22,9 +22,15 @@ def make_drafter(model_dir, out, gamma=4, seed=0, **kw):
     return out
 
 
+# The oracle reads the committed ids on the host, in Python: it needs eager, synchronous steps
+# (a captured graph would freeze its Python, and the overlapped loop commits a step late).
+ORACLE = dict(cuda_graphs=False, overlap=False)
+
+
 def use_oracle(eng):
     """Draft exactly what the target would say (greedy): every draft is accepted, so rollback,
-    windows and block boundaries are exercised at full speed (eager steps only)."""
+    windows and block boundaries are exercised at full speed. Build the engine with **ORACLE."""
+    assert not (eng.config.cuda_graphs or eng.config.overlap) or eng.device.type != "cuda", "build it with **ORACLE"
     def propose(slots, anchors, anchor_pos):
         by_slot = {r.slot: r for r in eng.scheduler.running}
         rows = [dense_greedy(eng.model, by_slot[s].all_ids, eng.gamma) if s in by_slot else [0] * eng.gamma
@@ -47,8 +53,9 @@ def drafter_dir(tiny_dir, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
 @pytest.mark.parametrize("oracle", [False, True])
 def test_greedy_spec_equals_target_only(tiny_dir, drafter_dir, mode, oracle):
-    base = LLM(str(tiny_dir), use_tqdm=False)
-    spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode, block_size=4)
+    base = LLM(str(tiny_dir), use_tqdm=False, **EXACT)
+    spec = LLM(str(tiny_dir), use_tqdm=False, **EXACT, **(ORACLE if oracle else {}), drafter_path=str(drafter_dir),
+               verify_mode=mode, block_size=4)
     eng = spec.engine
     if oracle:
         use_oracle(eng)
@@ -74,8 +81,8 @@ def test_accept_cap_commits_one_token_per_step_and_stays_lossless(tiny_dir, mode
     """The step-cost profile's accept_cap = 0: an oracle drafter whose drafts would all be
     accepted commits none of them, each step adds exactly one token per request (the target's
     own), and the output is still target-only greedy."""
-    base = LLM(str(tiny_dir), use_tqdm=False)
-    spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(make_drafter(tiny_dir, tiny_dir.parent / f"d_cap_{mode}")),
+    base = LLM(str(tiny_dir), use_tqdm=False, **EXACT)
+    spec = LLM(str(tiny_dir), use_tqdm=False, **EXACT, **ORACLE, drafter_path=str(make_drafter(tiny_dir, tiny_dir.parent / f"d_cap_{mode}")),
                verify_mode=mode, block_size=4)
     eng = spec.engine
     use_oracle(eng)
@@ -118,7 +125,7 @@ def steep_cost_table(model_dir, path):
     from nanodspark.cost_table import CostTable
     meas = {(bs, k): 1e-3 * (1 + bs) * (1.0 + 0.5 * (k > 2.5 * bs)) + 1e-6 * k for bs in (1, 8, 64, 512)
             for k in sorted({round(3 * bs * i / 12) for i in range(13)})}
-    CostTable(measurements=meas, model_name=str(model_dir), dtype=str(torch.float32), device="cpu").save(path)
+    CostTable(measurements=meas, model_name=str(model_dir), dtype=str(torch.float32), device=ENGINE_DEVICE).save(path)
     return str(path)
 
 
@@ -135,7 +142,7 @@ def test_sampling_spec_follows_target_distribution(tmp_path, mode):
     prompt = [1, 3, 0, 2]
     exact = exact_continuation_dist(target, prompt, n, V)
     table = steep_cost_table(d, tmp_path / "cost.json") if mode != "static" else None
-    llm = LLM(str(d), use_tqdm=False, drafter_path=str(ddir), max_num_seqs=512, seed=7, verify_mode=mode,
+    llm = LLM(str(d), use_tqdm=False, **EXACT, drafter_path=str(ddir), max_num_seqs=512, seed=7, verify_mode=mode,
               cost_table=table)
     chosen = []
     llm.engine.extra_observers.append(WindowLog(chosen))
@@ -210,7 +217,7 @@ def test_block_accept_ceiling_sees_through_trimming(tiny_dir, drafter_dir, mode)
     """With an oracle drafter every draft would be accepted by a full verify: however the windows
     are trimmed, the estimated ceiling is gamma + 1 committed tokens per step, and what trimming
     delivered is (mean window + 1)."""
-    llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode)
+    llm = LLM(str(tiny_dir), use_tqdm=False, **EXACT, **ORACLE, drafter_path=str(drafter_dir), verify_mode=mode)
     eng = llm.engine
     use_oracle(eng)
     rng = random.Random(1)
@@ -240,8 +247,8 @@ def test_full_prefix_hit_reserves_a_whole_verify_window(tmp_path_factory, mode):
     nothing."""
     target, _ = make_hf_model("llama", tmp_path_factory.mktemp("llama_full"), vocab_size=8192)
     ddir = make_drafter(target, tmp_path_factory.mktemp("llama_drafter"))
-    base = LLM(str(target), use_tqdm=False)
-    spec = LLM(str(target), use_tqdm=False, drafter_path=str(ddir), verify_mode=mode, block_size=4)
+    base = LLM(str(target), use_tqdm=False, **EXACT)
+    spec = LLM(str(target), use_tqdm=False, **EXACT, drafter_path=str(ddir), verify_mode=mode, block_size=4)
     assert "sliding" not in spec.engine.scheduler.managers
     ps = [p[:n] for p, n in zip(prompts(6, 8192, seed=11, lo=30, hi=40), (9, 13, 17, 10, 21, 5))]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -253,7 +260,7 @@ def test_full_prefix_hit_reserves_a_whole_verify_window(tmp_path_factory, mode):
     check_no_leak(spec)
     # A pool too small for the batch: preempted requests come back through admission, where
     # their own published blocks are prefix hits.
-    small = LLM(str(target), use_tqdm=False, drafter_path=str(ddir), verify_mode=mode, block_size=4,
+    small = LLM(str(target), use_tqdm=False, **EXACT, drafter_path=str(ddir), verify_mode=mode, block_size=4,
                 num_kv_blocks=24)
     preempted = []
     orig = small.engine.scheduler.preempt
@@ -269,8 +276,8 @@ def test_coupled_sampling_gives_target_only_tokens(tiny_dir, drafter_dir, mode):
     """Seeded sampled requests (T = 1, and with top-p / top-k) give the same tokens with
     speculation as without, at batch 1 and beside other random requests, in every verify mode:
     drafts and verification share the target's noise (coupled_sampling)."""
-    base = LLM(str(tiny_dir), use_tqdm=False)
-    spec = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(drafter_dir), verify_mode=mode, block_size=4,
+    base = LLM(str(tiny_dir), use_tqdm=False, **EXACT)
+    spec = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path=str(drafter_dir), verify_mode=mode, block_size=4,
                coupled_sampling=True)
     rng = random.Random(mode)
     force_windows(spec.engine, lambda reqs: [rng.randint(0, spec.engine.gamma) for _ in reqs])

@@ -90,11 +90,10 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
     llm.engine.clock.reset()
     t = time.perf_counter()
     reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
-    engine_steps = 0
     while llm.engine.has_unfinished():
         llm.engine.step()
-        engine_steps += 1
     wall = time.perf_counter() - t
+    engine_steps = llm.engine.clock.steps     # steps launched (the overlapped loop's last call only commits)
     toks = sum(len(r.output_ids) for r in reqs)
     # per-user speed = decode rate after the first token (1 / time per output token): queueing
     # before admission and the prefill are excluded, so c=1 with queued requests is not penalised

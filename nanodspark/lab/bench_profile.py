@@ -49,12 +49,19 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
     import random
     from ..cost_scheduler import ForcedWindows
+    from ..overlap_loop import SyncLoop
     from ..sampling import SamplingParams
     from ..verify import VerifyMode
     eng = llm.engine
     if eng.drafter is None or eng.verify_mode is not VerifyMode.COMPACT:
         raise ValueError("the whole-step profile needs a drafter and an engine in the compact verify mode")
-    gamma, policy = eng.gamma, eng.windows
+    if eng.has_unfinished():
+        raise ValueError("the whole-step profile needs an idle engine")
+    # The synchronous loop: each timed call is one step with its own K, committed before it returns.
+    # (The runner waits for the GPU after every step, so an overlapped loop would hide nothing; it
+    # would only commit each K one call late.) `close` gives the engine its own loop back.
+    gamma, policy, loop = eng.gamma, eng.windows, eng.loop
+    eng.loop = SyncLoop(eng)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
@@ -79,7 +86,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         eng.windows = ForcedWindows(gamma, lambda rs: [gamma] * len(rs))
         sched = eng.scheduler
         with eng.clock.paused():
-            while any(not r.is_decoding for r in sched.running) or sched.waiting or eng.loop.pending:
+            while any(not r.is_decoding for r in sched.running) or sched.waiting:
                 eng.step()
                 if all(r.is_decoding for r in sched.running) and not sched.waiting:
                     break
@@ -108,9 +115,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
-        while eng.loop.pending:             # the step in flight, if any
-            eng.step()
-        eng.windows = policy
+        eng.windows, eng.loop = policy, loop
     run_step.close = close
     run_step.phases = phases
     run_step.prepare = prepare

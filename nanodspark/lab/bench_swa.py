@@ -92,7 +92,10 @@ class Budget:
 
 def graph_kwargs(args) -> dict:
     """CUDA graphs for the decode steps of requests running alone (tier: 1 slot), which is what
-    every timed or compared request here is; batches run eagerly. A prefill is eager anyway."""
+    every timed or compared request here is; batches run eagerly. A prefill is eager anyway.
+    `--smoke` runs on the CPU wherever it is (a check of the script, the same numbers anywhere)."""
+    if args.smoke:
+        return dict(device="cpu")
     return dict(cuda_graphs=False) if args.no_graphs else dict(cuda_graphs=True, graph_batch_sizes=(1,))
 
 
@@ -342,7 +345,7 @@ def swa_bench(args) -> dict:
         args.repeats, args.answer_tokens, args.new_tokens = 1, 4, 8
         args.drift_n, args.drift_answer, args.drift_cont = min(args.drift_n, 2), 24, 8
         args.kv_gb = args.kv_gb or 0.05
-    if not args.kv_gb and torch.cuda.is_available():
+    if not args.kv_gb and torch.cuda.is_available() and not args.smoke:
         args.kv_gb = 16.0      # every engine the same cache (the default takes 40% of free memory)
     if args.prefixes is None:
         args.prefixes = [2048, 8192, 32768]
@@ -351,7 +354,7 @@ def swa_bench(args) -> dict:
     budget = Budget(args.budget_s)
     t0 = time.perf_counter()
     result = {"benchmark": "SWA replay and snapshots (swa_replay.py)", **environment(),
-              "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+              "dtype": "bfloat16" if torch.cuda.is_available() and not args.smoke else "float32",
               "suffix_rule": {"deepinfer": bounded_suffix(128, look_back(5, 2)),
                               "default_pair_overlapped": bounded_suffix(128, look_back(5, 2)),
                               "default_pair_synchronous": bounded_suffix(128, look_back(5, 1))},

@@ -19,7 +19,8 @@ engine) and through the collectives with a world of 1 (`world1: true`, the code 
 TP runs), so one GPU measures what the collectives' plumbing costs by itself.
 
 Not measured: the drafter and speculation (chapter 9 has those), prefill, the engine's host
-loop. Output: a table, and every row as JSON with `--out`.
+loop. Output: a table, and with `--out` every row as JSON beside the hardware, the versions and
+the command.
 """
 from __future__ import annotations
 
@@ -89,8 +90,10 @@ def tp_bench(args) -> list[dict]:
         rows += got
     _print(rows, skipped, cuda, n_gpus)
     if args.out:
+        from .bench_engine import environment       # hardware, versions and the exact command (argv)
         with open(args.out, "w") as f:
-            json.dump({"random_weights": True, "gpus": n_gpus, "skipped_tp": skipped, "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "tp", **environment(), "random_weights": True, "gpus": n_gpus,
+                       "skipped_tp": skipped, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return rows
 
