@@ -135,3 +135,45 @@ def test_the_overlapped_loop_commits_what_the_synchronous_one_does(tiny_dir, tmp
         assert eng.loop.pending is None
         check_no_leak(llm)
     assert outs[0] == outs[1]
+
+
+def test_a_poisoned_speculative_request_fails_alone_in_the_overlapped_loop(tiny_dir, tmp_path):
+    """Step n+1 is launched before step n shows that a request's logits are NaN, so n+1 carries
+    the failed request's NaN confidences: observers (calibration, the cost scheduler's relay,
+    the ceiling) must not see them. Crashed the calibration observer with an IndexError."""
+    import torch
+    dr = make_drafter(tiny_dir, tmp_path / "drafter", gamma=4)
+    good = [p for p in prompts(4, 8192, seed=21, lo=5, hi=30) if 7 not in p]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr)).generate(good, greedy)]
+    llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr))
+    eng = llm.engine
+    eng.loop = OverlapLoop(eng)
+    with torch.no_grad():
+        eng.model.model.embed_tokens.weight[7] = float("nan")
+    reqs = [eng.add_request(p, greedy) for p in good]
+    poisoned = eng.add_request([3, 4, 7, 5], greedy)
+    while eng.has_unfinished():
+        eng.step()
+    assert poisoned.finish_reason == "error" and [r.output_ids for r in reqs] == want
+    assert not eng.metrics.pending and eng.metrics.online.count.sum() > 0
+    check_no_leak(llm)
+
+
+def test_eplb_closes_one_step_per_window_row_in_the_overlapped_loop(tiny_dir):
+    """EPLB's recorder closes a step when it is launched: with step n+1 launched before step n is
+    committed, each window row still holds exactly one step's (token, expert) pairs. (Closed at
+    commit, the first row held two steps and the last none.)"""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rows = []
+    for loop_type in (SyncLoop, OverlapLoop):
+        llm = LLM(str(tiny_dir), use_tqdm=False, eplb=True, eplb_interval=0, eplb_window=64)
+        eng = llm.engine
+        eng.loop = loop_type(eng)
+        llm.generate([[5, 6, 7, 8, 9]], greedy)       # a 5-token prefill, then 3 one-token decodes
+        per_step = eng.eplb.recorder.per_step()[:, 0].sum(-1)        # pairs per step, first MoE layer
+        rows.append(per_step.tolist())
+    top_k, sync, overlapped = 2, rows[0], rows[1]
+    assert sync == [5 * top_k] + [top_k] * 3
+    # the overlapped loop may launch one more step before it learns the request is done: inert rows
+    assert overlapped[:len(sync)] == sync and not any(overlapped[len(sync):])
