@@ -510,7 +510,9 @@ class LLM:
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield the `RequestOutput`s of one request as its tokens are committed (a verify step
-        can commit several at once). Closing the iterator early aborts the request."""
+        can commit several at once). Closing the iterator early aborts the request. Either way
+        the overlapped loop's step in flight is committed (it streams nothing more) when no
+        other request is left, so the engine is idle afterwards, as after `generate`."""
         eng = self.engine
         req = eng.add_request(prompt, params, queue_limit=False)
         try:
@@ -521,6 +523,8 @@ class LLM:
         finally:
             if req.status != Status.FINISHED:
                 eng.abort(req.request_id)
+            while eng.loop.pending and not (eng.scheduler.running or eng.scheduler.waiting):
+                eng.step()
             eng.release(req.request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -177,3 +177,20 @@ def test_eplb_closes_one_step_per_window_row_in_the_overlapped_loop(tiny_dir):
     assert sync == [5 * top_k] + [top_k] * 3
     # the overlapped loop may launch one more step before it learns the request is done: inert rows
     assert overlapped[:len(sync)] == sync and not any(overlapped[len(sync):])
+
+
+def test_a_stream_leaves_the_overlapped_engine_idle(tiny_dir):
+    """`LLM.stream` run to its end, or closed after its first output (an abort), commits the
+    step still in flight: the engine has nothing unfinished, and nothing leaks."""
+    llm = LLM(str(tiny_dir), use_tqdm=False)
+    eng = llm.engine
+    eng.loop = OverlapLoop(eng)
+    p = prompts(1, 8192, seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [t for o in llm.stream(p, greedy) for t in o.new_token_ids] == llm.generate([p], greedy)[0].token_ids
+    assert not eng.has_unfinished()
+    it = llm.stream(p, greedy)
+    next(it)
+    it.close()
+    assert not eng.has_unfinished() and eng.loop.pending is None
+    check_no_leak(llm)
