@@ -14,12 +14,12 @@ The three parts of this file
        slot into `load[layer]` (`ReplicaMap`, which model.py `MoE.forward` calls), on the
        device: no host sync, so it runs inside the captured decode graphs. Rows past
        `cu_seqlens_q[-1]` (the padding of a graph tier) are not counted: they are computed,
-       but they are not traffic. Once per engine step, between steps and outside any graph,
-       `advance()` moves the running count into a ring buffer of the last `window` steps and
-       zeroes it (in-place device ops, no sync). That is how step boundaries are marked. With the overlapped loop, a
-       step is committed after the next one was launched, so a snapshot holds the forwards
-       queued since the previous snapshot: the first holds two steps, each later one holds one,
-       and no count is lost or counted twice.
+       but they are not traffic. Once per engine step, right after the engine enqueues its
+       forward and outside any graph (`ExpertBalancer.launched`), `advance()` moves the running
+       count into a ring buffer of the last `window` steps and zeroes it (in-place device ops,
+       no sync, ordered on the stream between this forward and the next). That is how step
+       boundaries are marked, at launch rather than at commit: the overlapped loop commits step
+       n after launching n+1, so each snapshot holds exactly one step in either loop.
     2. The placement (`rebalance_experts`, pure functions on the host). Given a load
        `weight[L, num_logical]`, it returns `phy2log[L, num_physical]` (the logical expert in
        each slot, slots GPU-major: slot s lives on rank s // (num_physical / num_gpus)),
@@ -347,7 +347,7 @@ class LoadRecorder:
         self.steps = 0                        # steps closed since the last reset
 
     def advance(self) -> None:
-        """Close one engine step (host side, between steps; in-place device ops, no sync)."""
+        """Close one engine step (host side, after its launch; in-place device ops, no sync)."""
         slot = self.window[self.steps % self.window_size]
         self.total += self.load - slot        # the oldest step leaves the window, this one enters
         slot.copy_(self.load)
@@ -399,7 +399,8 @@ class ReplicaMap:
 
 
 class ExpertBalancer:
-    """EPLB in a running engine: an observer of step results (engine.py `observers`).
+    """EPLB in a running engine: told of each launch (`launched`, which closes the step in the
+    recorder) and an observer of committed step results (engine.py `observers`: rebalancing).
 
     Built by the engine before any graph is captured: it widens every MoE layer to
     `num_logical + num_redundant` slots (the trivial placement), gives each layer a

@@ -57,23 +57,15 @@ from hypothesis import strategies as st
 import nanodspark.sampling
 from nanodspark import LLM, SamplingParams
 from nanodspark.config import EngineConfig
-from nanodspark.engine import LLMEngine
-from nanodspark.server import create_app
-from test_server import MODEL, ServerThread, _load_serve, kv_used, make_prompt, metric, wait_idle
+from test_server import _load_serve, kv_used, make_prompt, metric, start_server, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY_OK = hasattr(nanodspark.sampling, "GREEDY_BELOW")   # the engine half of issue 22 is in
 
 
-def start(model_dir, app_kw=None, **engine_kw):
-    engine = LLMEngine(str(model_dir), EngineConfig(use_tqdm=False, **engine_kw))
-    app = create_app(engine, model_name=MODEL, **(app_kw or {}))
-    return engine, app, ServerThread(app).start()
-
-
 @pytest.fixture(scope="module")
 def hard(tiny_dir):
-    engine, app, srv = start(tiny_dir)
+    engine, app, srv = start_server(tiny_dir)
     yield srv
     srv.stop()
     assert all(u["used"] == 0 for u in engine.kv_usage().values()) and not engine.requests
@@ -143,7 +135,7 @@ def test_a_request_the_engine_fails_gets_its_own_500(tiny_dir, offline):
     """The engine finishes one request with reason "error" (as it does for a row whose logits are
     not finite): that request gets a 500 naming the engine's reason, the rest of the batch
     finishes with the same text as without it."""
-    engine, app, srv = start(tiny_dir)
+    engine, app, srv = start_server(tiny_dir)
     poison = make_prompt(801)
     poison_ids = engine.tokenizer.encode(poison)
     real_step = engine.step
@@ -182,7 +174,7 @@ def test_a_request_the_engine_fails_gets_its_own_500(tiny_dir, offline):
 def test_a_failing_step_fails_its_batch_and_the_server_recovers(tiny_dir, offline):
     """An engine-wide fault (a step that raises, once all four requests are in): the requests in
     flight get an error, nothing leaks, and the next requests are answered exactly."""
-    engine, app, srv = start(tiny_dir)
+    engine, app, srv = start_server(tiny_dir)
     real_step, fail = engine.step, threading.Event()
 
     def step():
@@ -256,7 +248,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(hard):
 def test_tokenizing_a_long_prompt_does_not_stall_the_event_loop(tiny_dir):
     """A 1.9 MB prompt takes most of a second to tokenize (on a server whose context admits that
     many characters); meanwhile /health still answers within a fraction of that."""
-    engine, app, srv = start(tiny_dir, max_model_len=100_000)
+    engine, app, srv = start_server(tiny_dir, max_model_len=100_000)
     try:
         text = "word " * 380_000
         done, worst, result = threading.Event(), [], []
@@ -529,7 +521,7 @@ RAW = st.binary(max_size=64) | st.sampled_from([b"[" * 3000, b"{" * 3000, b'{"pr
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_dir):
-    engine, app, srv = start(tiny_dir, max_model_len=48)   # every answer is short: nothing can take long
+    engine, app, srv = start_server(tiny_dir, max_model_len=48)   # every answer is short: nothing can take long
     yield srv
     srv.stop()
 
