@@ -432,32 +432,11 @@ class LLMEngine:
 
     def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Commit new tokens, publish full blocks, release window-expired blocks, check stops."""
-        sched = self.scheduler
-        accepted = []
-        reason = None
-        for t in new_ids:
-            accepted.append(t)
-            if t in self.eos_ids and not req.params.ignore_eos:
-                reason = "stop"
-                break
-            if len(req.output_ids) + len(accepted) >= req.params.max_tokens or \
-                    req.num_tokens + len(accepted) >= self.max_model_len:
-                reason = "length"
-                break
+        accepted, reason = self._accept(req, new_ids)
         if accepted and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_ids += accepted
-        keep = max(req.num_tokens, sched.reservation(req, self.decode_rows) if req.decode_inflight else 0)
-        for g, t in req.tables.items():
-            bm = sched.managers[g]
-            bm.truncate(t, min(t.num_tokens, keep))   # drop rejected speculative slots (not an in-flight step's)
-            # a block freed here and a new one taken later sit in the same column: re-sync from it
-            req.synced[g] = min(req.synced.get(g, 0), len(t.blocks))
-            if g == "sliding":      # (a verify window cut short by a stop computed past the last token)
-                bm.release_outside_window(t, sched.window_kept, min(req.num_computed, req.num_tokens))
-            elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
-                start = bm.published_tokens(t)
-                bm.commit(t, req.ids(start, req.num_computed), start)
+        self._settle_blocks(req)
         delta, stop_hit, keep = commit_text(self.tokenizer, req, accepted, final=reason is not None)
         if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from output_ids
             reason, accepted = "stop", accepted[:keep]
@@ -465,6 +444,34 @@ class LLMEngine:
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict())
+
+    def _accept(self, req: Request, new_ids: list[int]) -> tuple[list[int], str | None]:
+        """The new tokens up to and including the first that ends the request: an EOS ("stop"),
+        or the one that reaches max_tokens or the context limit ("length"); EOS wins a tie."""
+        room = max(1, min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens))
+        accepted, reason = new_ids[:room], ("length" if len(new_ids) >= room else None)
+        if not req.params.ignore_eos and not self.eos_ids.isdisjoint(accepted):
+            end = next(i for i, t in enumerate(accepted) if t in self.eos_ids) + 1
+            accepted, reason = accepted[:end], "stop"
+        return accepted, reason
+
+    def _settle_blocks(self, req: Request) -> None:
+        """After a commit: give back the slots of rejected drafts (not those an in-flight step
+        holds), release sliding blocks the window has left, publish blocks that became full."""
+        sched = self.scheduler
+        keep = max(req.num_tokens, sched.reservation(req, self.decode_rows) if req.decode_inflight else 0)
+        for g, t in req.tables.items():
+            bm = sched.managers[g]
+            if t.num_tokens > keep:
+                bm.truncate(t, keep)
+            # a block freed here and a new one taken later sit in the same column: re-sync from it
+            req.synced[g] = min(req.synced.get(g, 0), len(t.blocks))
+            if g == "sliding":      # (a verify window cut short by a stop computed past the last token)
+                bm.release_outside_window(t, sched.window_kept, min(req.num_computed, req.num_tokens))
+            elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
+                start = bm.published_tokens(t)
+                if req.num_computed - start >= bm.block_size:     # a block became full
+                    bm.commit(t, req.ids(start, req.num_computed), start)
 
     def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "",
                 error: str | None = None) -> RequestOutput:

@@ -38,50 +38,59 @@ STEP_TIMES_KEPT = 256            # (predicted, measured) pairs kept for /metrics
 class SpecMetrics:
     def __init__(self, gamma: int, mode: VerifyMode):
         self.gamma, self.mode = gamma, mode
-        self.position_trials = [0] * gamma      # verified drafts at position k
-        self.position_accepts = [0] * gamma     # ... of which accepted
+        self.position_trials = np.zeros(gamma, dtype=np.int64)     # verified drafts at position k
+        self.position_accepts = np.zeros(gamma, dtype=np.int64)    # ... of which accepted
         self.online = OnlineCalibrationMetrics(gamma)
         self.ceiling = BlockAcceptEstimator(gamma)
         self.pending: dict[str, tuple] = {}     # request id -> (first position, trimmed drafts, window, accepted)
         self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
 
     def observe(self, result) -> None:
-        """After the engine applied `result`: count, calibrate and feed the ceiling."""
+        """After the engine applied `result`: count, calibrate and feed the ceiling. One array
+        operation per statistic over the step's requests: at batch 256 a Python loop per request
+        and position was a millisecond of every step (the host is the bound there)."""
         verify = [c for c in result.commits if c.verify is not None]
         if not verify or not self.gamma:
             return
-        conf, labels, valid = [], [], []
-        for c in verify:
-            r, v = c.request, c.verify
-            if r.request_id in self.pending:
-                self._settle(r)
-            window = self.mode.reported_window(v.window, v.verified)
-            for k in range(min(v.accepted + 1, window)):
-                self.position_trials[k] += 1
-                self.position_accepts[k] += int(k < v.accepted)
-            self._track_ceiling(r, v, window, c.advanced)
-            conf.append(v.conf)
-            labels.append([float(k < v.accepted) for k in range(self.gamma)])
-            valid.append([k < window for k in range(self.gamma)])
-        self.online.update(survival(torch.tensor(conf)), torch.tensor(labels), torch.tensor(valid))
+        if self.pending:
+            for c in verify:
+                if c.request.request_id in self.pending:
+                    self._settle(c.request)
+        n, k = len(verify), np.arange(self.gamma)
+        acc = np.fromiter((c.verify.accepted for c in verify), np.int64, n)
+        win = np.fromiter((self.mode.reported_window(c.verify.window, c.verify.verified) for c in verify), np.int64, n)
+        accepted = k < acc[:, None]                          # [n, gamma]: the prefix labels
+        tried = k < np.minimum(acc + 1, win)[:, None]        # scored, up to the first rejection
+        self.position_trials += tried.sum(0)
+        self.position_accepts += (tried & accepted).sum(0)
+        plain = self._track_ceiling(verify, win)
+        self.ceiling.record_many(win[plain], acc[plain])
+        conf = torch.from_numpy(np.array([c.verify.conf for c in verify], dtype=np.float32).reshape(n, self.gamma))
+        self.online.update(survival(conf), torch.from_numpy(accepted), torch.from_numpy(k < win[:, None]))
         self.step_times.append((result.predicted_step_time, result.seconds))
         for c in verify:            # finished in this very step: nothing later will settle it
             if c.request.finish_reason is not None:
                 self.release(c.request)
 
-    def _track_ceiling(self, r, v, window: int, advanced: int) -> None:
+    def _track_ceiling(self, verify, windows) -> np.ndarray:
         """cap-accept observes the ceiling directly; a trimmed compact step whose window was fully
         accepted leaves its remaining drafts pending, to be judged against the tokens the target
-        commits at their positions."""
-        if v.ceiling is not None and self.mode.reports_ceiling:
-            over = v.ceiling - v.accepted
-            self.ceiling.record(window, v.accepted, [True] * over + [False] * (v.ceiling < v.verified)
-                                if over >= 0 and v.accepted == window else None)
-        elif self.mode is VerifyMode.COMPACT and v.accepted == window < self.gamma:
-            # the commit is applied: the first trimmed draft sits where the bonus token went
-            self.pending[r.request_id] = (r.num_computed, v.drafts[window:], window, v.accepted)
-        else:
-            self.ceiling.record(window, v.accepted)
+        commits at their positions. Returns the mask of the rows left: plain records."""
+        plain = np.ones(len(verify), dtype=bool)
+        if not self.mode.trims:
+            return plain
+        for i, c in enumerate(verify):
+            r, v, window = c.request, c.verify, int(windows[i])
+            if v.ceiling is not None and self.mode.reports_ceiling:
+                over = v.ceiling - v.accepted
+                self.ceiling.record(window, v.accepted, [True] * over + [False] * (v.ceiling < v.verified)
+                                    if over >= 0 and v.accepted == window else None)
+                plain[i] = False
+            elif self.mode is VerifyMode.COMPACT and v.accepted == window < self.gamma:
+                # the commit is applied: the first trimmed draft sits where the bonus token went
+                self.pending[r.request_id] = (r.num_computed, v.drafts[window:], window, v.accepted)
+                plain[i] = False
+        return plain
 
     def _settle(self, r, final: bool = False) -> None:
         pos0, drafts, window, accepted = self.pending[r.request_id]
@@ -109,7 +118,8 @@ class SpecMetrics:
             "ceiling": None if est.records == 0 or est.ceiling != est.ceiling else {
                 "tau": est.ceiling, "lo": est.lo, "hi": est.hi, "delivered": est.delivered,
                 "utilisation": est.utilisation},
-            "position_acceptance": [a / t if t else None for a, t in zip(self.position_accepts, self.position_trials)],
+            "position_acceptance": [a / t if t else None for a, t in zip(self.position_accepts.tolist(),
+                                                                          self.position_trials.tolist())],
             "online_ece": [None if e != e else float(e) for e in self.online.ece().tolist()],
             "step_time_predicted_s": sum(pred) / len(pred) if pred else None,
             "step_time_measured_s": (sum(meas) / len(meas) if meas else
@@ -184,10 +194,14 @@ class BlockAcceptEstimator:
     def __init__(self, gamma: int, max_records: int = DEFAULT_CEILING_RECORDS,
                  z: float = DEFAULT_WILSON_Z):
         self.gamma, self.z = gamma, z
-        self._records: deque = deque()
         self.max_records = max_records
-        self.at_risk = [0] * gamma
-        self.accepted = [0] * gamma
+        # A chain is always some accepted verdicts then at most one rejection, so a record is
+        # four numbers: (accepted verdicts, rejection 0/1, window, accepted drafts), kept in a
+        # ring of max_records rows; n of them are live, the oldest at (head - n) % max_records.
+        self._ring = np.zeros((max_records, 4), dtype=np.int64)
+        self._head = self._n = 0
+        self.at_risk = np.zeros(gamma, dtype=np.int64)
+        self.accepted = np.zeros(gamma, dtype=np.int64)
         self._sum_delivered = 0
         self._sum_window = 0
 
@@ -204,30 +218,51 @@ class BlockAcceptEstimator:
                 break
         return chain
 
-    def _apply(self, chain: list[bool], window: int, accepted: int, sign: int) -> None:
-        for k, ok in enumerate(chain):
-            self.at_risk[k] += sign
-            self.accepted[k] += sign * int(ok)
-        self._sum_delivered += sign * (accepted + 1)
-        self._sum_window += sign * window
+    def _apply(self, rows: np.ndarray, sign: int) -> None:
+        """Add (sign +1) or remove (-1) records [m, 4] from the per-position counts."""
+        k = np.arange(self.gamma)
+        runs, rejected = rows[:, 0:1], rows[:, 1:2]
+        self.at_risk += sign * (k < runs + rejected).sum(0)
+        self.accepted += sign * (k < runs).sum(0)
+        self._sum_delivered += sign * int((rows[:, 3] + 1).sum())
+        self._sum_window += sign * int(rows[:, 2].sum())
+
+    def _push(self, rows: np.ndarray) -> None:
+        """Append records, dropping the oldest beyond max_records."""
+        rows = rows[-self.max_records:]
+        m, cap = len(rows), self.max_records
+        at = (self._head + np.arange(m)) % cap
+        overwritten = max(0, self._n + m - cap)                 # the oldest live records go
+        if overwritten:
+            self._apply(self._ring[(self._head - self._n + np.arange(overwritten)) % cap], -1)
+        self._ring[at] = rows
+        self._apply(rows, +1)
+        self._head, self._n = (self._head + m) % cap, min(cap, self._n + m)
 
     def record(self, window: int, accepted: int, remainder: Sequence[bool] | None = None) -> None:
         """Add one request-step; the oldest record is dropped beyond `max_records`."""
         chain = self._chain(window, accepted, remainder)
-        self._records.append((chain, window, accepted))
-        self._apply(chain, window, accepted, +1)
-        if len(self._records) > self.max_records:
-            self._apply(*self._records.popleft(), sign=-1)
+        run = chain.index(False) if False in chain else len(chain)
+        self._push(np.array([[run, len(chain) - run, window, accepted]], dtype=np.int64))
+
+    def record_many(self, windows, accepted) -> None:
+        """`record(w, a)` for each pair, without remainders, in one array operation."""
+        w, a = np.asarray(windows, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
+        if not len(w):
+            return
+        if ((a < 0) | (a > w) | (w > self.gamma)).any():
+            raise ValueError(f"need 0 <= accepted <= window <= gamma={self.gamma}")
+        self._push(np.stack([a, (a < w).astype(np.int64), w, a], axis=1))
 
     def estimate(self) -> CeilingEstimate:
-        n = len(self._records)
+        n = self._n
         # A position nobody reached because the survival before it is already 0 contributes 0;
         # one that is unknown for lack of data (censored) stays nan.
         p, surv = [], 1.0
-        for a, r in zip(self.accepted, self.at_risk):
+        for a, r in zip(self.accepted.tolist(), self.at_risk.tolist()):
             p.append(a / r if r else (0.0 if surv == 0 else float("nan")))
             surv *= p[-1]
-        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted, self.at_risk)]
+        bounds = [wilson_interval(a, r, self.z) for a, r in zip(self.accepted.tolist(), self.at_risk.tolist())]
 
         def expected_length(probs) -> float:
             return 1.0 + float(np.sum(np.cumprod(probs))) if len(probs) else 1.0
@@ -239,7 +274,7 @@ class BlockAcceptEstimator:
             ceiling=ceiling,
             lo=expected_length([b[0] for b in bounds]),
             hi=expected_length([b[1] for b in bounds]),
-            conditional=p, at_risk=list(self.at_risk), records=n,
+            conditional=p, at_risk=self.at_risk.tolist(), records=n,
             delivered=delivered, mean_window=mean_window,
             utilisation=delivered / ceiling if n else float("nan"),
             window_ratio=(mean_window + 1.0) / ceiling if n else float("nan"),

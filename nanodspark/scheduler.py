@@ -196,8 +196,9 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         self.snapshots.expire()
         plan: list[tuple[Request, int]] = []
+        preempted = set()     # left `running` in this loop (a set: `in running` is O(n) per request)
         for req in list(self.running):
-            if req not in self.running or budget <= 0:
+            if req in preempted or budget <= 0:
                 continue
             rows = self._rows(req, decode_rows, budget)
             if rows > budget:  # a verify window does not fit the token budget: wait a step
@@ -209,10 +210,11 @@ class Scheduler:
                 except NoFreeBlocks:
                     victim = self.running[-1]
                     self.preempt(victim)
+                    preempted.add(victim)
                     plan = [(r, n) for r, n in plan if r is not victim]
                     if victim is req:
                         break
-            if req in self.running:
+            if req not in preempted:
                 plan.append((req, rows))
                 budget -= rows
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:

@@ -278,3 +278,19 @@ def test_swa_bench_smoke_writes_both_tables(tiny_dir, tmp_path):
     assert all(r["random_weights"] for r in res["prefill"]["rows"]) and not res["skipped"]
     saved = json.loads(out.read_text())
     assert saved["argv"] and saved["prefill"]["rows"] and "| setting |" in bsw.markdown(saved)
+
+
+def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny_dir, tmp_path, monkeypatch):
+    from nanodspark.lab import bench_host as bh
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    monkeypatch.setattr("sys.argv", ["nanodspark.bench", "host", "--batches", "3"])
+    out = tmp_path / "host.json"
+    res = bh.host_bench(argparse.Namespace(model=str(model), drafter=None, batches=[3], steps=3, repeats=1,
+                                           prompt_len=16, stop=["zz"], out=str(out)))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3 and row == res["rows"][0]
+    assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch
+    assert row["total"] == pytest.approx(sum(row[k] for k in bh.PHASES), abs=2e-3)
+    assert res["argv"][-2:] == ["--batches", "3"] and "torch" in json.dumps(res["environment"])

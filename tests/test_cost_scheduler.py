@@ -388,6 +388,26 @@ def test_ceiling_recovers_truth_from_trimmed_steps():
     assert 0 < e.utilisation < 1
 
 
+def test_ceiling_record_many_equals_records_one_by_one_through_the_window_edge():
+    """The observer records a step's plain rows in one call; the ring must then hold, count and
+    drop exactly what one call per row would (batches smaller than, across and larger than the
+    window of 7 records)."""
+    rng = np.random.default_rng(3)
+    one, many = BlockAcceptEstimator(gamma=4, max_records=7), BlockAcceptEstimator(gamma=4, max_records=7)
+    for m in (3, 5, 1, 9, 2, 7, 4):
+        w = rng.integers(0, 5, m)
+        a = np.array([rng.integers(0, x + 1) for x in w])
+        for x, y in zip(w, a):
+            one.record(int(x), int(y))
+        many.record_many(w, a)
+        e1, e2 = one.estimate(), many.estimate()
+        assert (e2.at_risk, e2.records, e2.delivered, e2.mean_window) == (e1.at_risk, e1.records, e1.delivered,
+                                                                        e1.mean_window)
+        assert e2.conditional == pytest.approx(e1.conditional, nan_ok=True)
+    with pytest.raises(ValueError):
+        many.record_many([2], [3])
+
+
 def test_ceiling_sliding_window_and_wilson():
     est = BlockAcceptEstimator(gamma=2, max_records=2)
     est.record(2, 0)

@@ -540,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import bench_engine as be  # engine-level benchmarks live in their own files
     from . import bench_eplb as bl
+    from . import bench_host as bh
     from . import bench_profile as bp
     from . import bench_sampling as bsa
     from . import bench_speed as bsp
@@ -553,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
              btp.add_tp_args, btp.tp_bench),
             ("engine", "tok/s beside transformers (dynamic, static cache), graphs and overlap, kernels per step",
              bsp.add_speed_args, bsp.engine_speed),
+            ("host", "host ms per decode step by phase (schedule, launch, result, commit), any device",
+             bh.add_host_args, bh.host_bench),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
             ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
              be.dspark_bench),

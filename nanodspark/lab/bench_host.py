@@ -1,0 +1,99 @@
+"""Host milliseconds per decode step, by phase (`python -m nanodspark.bench host`).
+
+When a step is a few graph replays, the engine is as fast as its host: scheduling, the launch's
+bookkeeping, reading the result and committing it (tokens, stops, blocks, text, observers) are
+Python work per request, and at batch >= 64 on a small model they are longer than the GPU's
+step (walkthrough 09 §8, chapter 11). This measures that work on any machine: it runs a batch
+to steady decoding and times, per step, `schedule`, `launch` less the forward it starts (the
+`graphs.run` call: a replay on CUDA, the computation itself on the CPU), `result` (waiting for
+the device and building the `StepResult`) and `commit`, with the synchronous loop so that each
+phase is its own. Medians over steps and repeats; the JSON has the machine and the command.
+The host's work does not depend on the device, so the CPU's figures compare two versions of the
+engine honestly, though not the CPU with the H200's host.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .bench_engine import environment
+from .bench_speed import _prompts
+
+PHASES = ("schedule", "launch_less_forward", "result", "commit")
+
+
+def time_phases(llm, prompts, steps: int, stop: list[str]) -> dict:
+    """Per-step host ms of each phase over `steps` decode steps of a batch already decoding."""
+    from .. import SamplingParams
+    from ..overlap_loop import SyncLoop
+    eng = llm.engine
+    eng.loop = SyncLoop(eng)                    # phases one after the other: each timed alone
+    params = SamplingParams(temperature=0, max_tokens=4 * (steps + 8) * (1 + eng.gamma), ignore_eos=True,
+                            stop=stop)
+    reqs = [eng.add_request(p, params, queue_limit=False) for p in prompts]
+    while eng.scheduler.waiting or any(not r.is_decoding for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):                          # past the first decode steps (lazy work, allocator)
+        eng.step()
+    graphs, forward = eng.executor.graphs, []
+    run = graphs.run
+
+    def timed_run(*a, **k):
+        t = time.perf_counter()
+        out = list(run(*a, **k))
+        forward.append(time.perf_counter() - t)
+        return out
+    graphs.run = timed_run
+    rows = []
+    try:
+        for _ in range(steps):
+            eng.clock.reset()
+            forward.clear()
+            eng.step()
+            ms = eng.clock.per_step_ms()
+            rows.append(dict(schedule=ms["schedule"], launch_less_forward=ms["launch"] - 1e3 * sum(forward),
+                             result=ms["wait"], commit=ms["commit"]))
+    finally:
+        graphs.run = run
+        for r in reqs:
+            eng.abort(r.request_id)
+            eng.release(r.request_id)
+    return {k: statistics.median(r[k] for r in rows) for k in PHASES}
+
+
+def host_bench(args) -> dict:
+    from .. import LLM
+    rows = []
+    for batch in args.batches:
+        llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
+                  max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch)
+        prompts = _prompts(batch, args.prompt_len, llm.engine.model_config.vocab_size)
+        reps = [time_phases(llm, prompts, args.steps, args.stop) for _ in range(args.repeats)]
+        row = {k: round(statistics.median(r[k] for r in reps), 3) for k in PHASES}
+        row.update(batch=batch, total=round(sum(row[k] for k in PHASES), 3),
+                   commit_us_per_request=round(1e3 * row["commit"] / batch, 2))
+        rows.append(row)
+        print(f"batch {batch:4d}: " + "  ".join(f"{k} {row[k]:.3f}" for k in PHASES + ("total",))
+              + f" ms  commit/request {row['commit_us_per_request']} us", flush=True)
+        del llm
+    result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
+                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, steps=args.steps,
+                  repeats=args.repeats, prompt_len=args.prompt_len, environment=environment(),
+                  argv=["python", "-m", "nanodspark.bench", *sys.argv[2:]])
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def add_host_args(p) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped default model)")
+    p.add_argument("--drafter", default=None, help="drafter directory; 'none' = no speculation")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--steps", type=int, default=12, help="decode steps timed per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries (a path of its own)")
+    p.add_argument("--out", default=None, help="JSON path")
