@@ -77,11 +77,13 @@ def commit_text(tokenizer, req, new_ids: list[int], final: bool) -> TextCommit:
     ids and usage count what the text shows.
 
     Cost: one `detokenize` call; a stop string can only complete inside these tokens if it is in
-    their decoded text, so the token-by-token replay runs only on the step that stops.
+    their decoded text, so the token-by-token replay runs only on the step that stops. A request
+    that streams no text (`req.stream_text` False) and has no stop string is not decoded until
+    its final tokens: then one window from the last boundary, which is the whole output.
     """
     n = len(new_ids)
-    if tokenizer is None or not new_ids:
-        return TextCommit("", False, n)
+    if tokenizer is None or not new_ids or not (final or req.stream_text or req.params.stop):
+        return TextCommit("", False, n)     # (text not streamed: decoded once, when it finishes)
     if n == 1 or not req.params.stop:
         return TextCommit(*detokenize(tokenizer, req, new_ids, final), n)
     end = len(req.output_ids)

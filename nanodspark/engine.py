@@ -266,8 +266,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, queue_limit: bool = True) -> Request:
-        """Validate and queue a request. `queue_limit=False` (offline `generate`) ignores `max_waiting`."""
+                    request_id: str | None = None, queue_limit: bool = True, stream_text: bool = True) -> Request:
+        """Validate and queue a request. `queue_limit=False` (offline `generate`) ignores `max_waiting`;
+        `stream_text=False` (also `generate`) decodes its text once, when it finishes, not every step."""
         params = (params or SamplingParams()).validate()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -297,7 +298,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = draw_seed(self.seed_generator) if params.seed is None else (params.seed + 2**63) % 2**64 - 2**63
-        req = Request(request_id, ids, params, seed, limit)
+        req = Request(request_id, ids, params, seed, limit, stream_text=stream_text)
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return req
@@ -486,7 +487,10 @@ class LLMEngine:
         req.status, req.finish_reason, req.finish_time, req.error = Status.FINISHED, reason, time.monotonic(), error
         if self.metrics is not None:
             self.metrics.release(req)
-        if reason in ("abort", "error") and req.text:
+        if reason in ("abort", "error"):
+            if not (req.stream_text or req.params.stop) and req.detok_read < len(req.output_ids):   # not decoded yet
+                commit_text(self.tokenizer, req, req.output_ids[req.detok_read:], final=True)
+                req.emitted = 0           # (its text was never streamed: all of it goes out now)
             delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict(), error)
@@ -543,7 +547,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         eng = self.engine
-        reqs = [eng.add_request(p, sp, queue_limit=False) for p, sp in zip(prompts, plist)]
+        reqs = [eng.add_request(p, sp, queue_limit=False, stream_text=False) for p, sp in zip(prompts, plist)]
         show = (self.engine.config.use_tqdm if use_tqdm is None else use_tqdm) and len(reqs) > 1
         bar = tqdm(total=len(reqs), desc="generate", disable=not show)
         while any(r.status != Status.FINISHED for r in reqs) or eng.loop.pending:

@@ -77,6 +77,8 @@ class Request:
     emitted: int = 0                      # characters of `text` already streamed
     detok_prefix: int = 0                 # incremental detokenizer (detokenizer.py): the decode window starts here
     detok_read: int = 0                   # ... and `text` covers output_ids[:detok_read]
+    stream_text: bool = True              # decode text every step (streaming, stop strings); False: once, at
+                                          # the finish (offline `generate`: nobody reads the deltas)
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # when the first output token was committed (TTFT)

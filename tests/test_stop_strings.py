@@ -120,3 +120,47 @@ def test_commit_text_in_chunks_equals_one_token_per_step():
             want = run(ids, stop, lambda: 1)
             for _ in range(3):
                 assert run(ids, stop, lambda: rng.randint(2, 7)) == want, stop
+
+
+def test_text_decoded_once_at_the_finish_equals_the_streamed_text():
+    """A request that streams no text (`stream_text=False`, as `LLM.generate` adds them) and has no
+    stop string is not decoded step by step; its text at the finish, and on an abort, is what
+    the streamed request's text is, multi-byte characters included."""
+    tok = Tokenizer(resolve_model_dir(None))
+    rng = random.Random(2)
+    ids = tok.encode("Tea ☕ and 日本語 café — naïve 🙂👍🏽 résumé.\n" * 3) + [rng.randrange(13, 8192) for _ in range(40)]
+
+    def run(stream: bool, upto: int):
+        req = Request("r", [1], SamplingParams(), 0, 10**6, stream_text=stream)
+        i, text = 0, ""
+        while i < upto:
+            new = ids[i:min(upto, i + rng.randint(1, 6))]
+            i += len(new)
+            req.output_ids += new
+            delta = commit_text(tok, req, new, final=i == len(ids))[0]
+            text += delta
+            if not stream and i < len(ids):
+                assert delta == "" and req.text == "", "decoded before the finish"
+        return req, text
+
+    streamed, text = run(True, len(ids))
+    quiet, quiet_text = run(False, len(ids))
+    assert quiet.text == quiet_text == streamed.text == text == tok.decode(ids)
+
+
+def test_generate_decodes_only_at_the_finish_and_an_aborted_unstreamed_request_keeps_its_text(target_only):
+    eng = target_only.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (out,) = target_only.generate(["Once upon a time"], params, use_tqdm=False)
+    streamed = "".join(o.text_delta for o in target_only.stream("Once upon a time", params))
+    assert out.text == streamed == eng.tokenizer.decode(out.token_ids)
+    req = eng.add_request("The little cat", params, stream_text=False)
+    for _ in range(4):
+        eng.step()
+    assert req.output_ids and req.text == ""
+    final = eng.abort(req.request_id)
+    assert req.text == final.text_delta == eng.tokenizer.decode(req.output_ids)
+    while eng.has_unfinished():        # (the overlapped loop's step in flight: it streams nothing more)
+        assert eng.step() == []
+    eng.release(req.request_id)
+    assert req.request_id not in eng.requests

@@ -25,7 +25,7 @@ from .bench_speed import _prompts
 PHASES = ("schedule", "launch_less_forward", "result", "commit")
 
 
-def time_phases(llm, prompts, steps: int, stop: list[str]) -> dict:
+def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = True) -> dict:
     """Per-step host ms of each phase over `steps` decode steps of a batch already decoding."""
     from .. import SamplingParams
     from ..overlap_loop import SyncLoop
@@ -33,7 +33,7 @@ def time_phases(llm, prompts, steps: int, stop: list[str]) -> dict:
     eng.loop = SyncLoop(eng)                    # phases one after the other: each timed alone
     params = SamplingParams(temperature=0, max_tokens=4 * (steps + 8) * (1 + eng.gamma), ignore_eos=True,
                             stop=stop)
-    reqs = [eng.add_request(p, params, queue_limit=False) for p in prompts]
+    reqs = [eng.add_request(p, params, queue_limit=False, stream_text=stream_text) for p in prompts]
     while eng.scheduler.waiting or any(not r.is_decoding for r in eng.scheduler.running):
         eng.step()
     for _ in range(3):                          # past the first decode steps (lazy work, allocator)
@@ -71,7 +71,7 @@ def host_bench(args) -> dict:
         llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
                   max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch)
         prompts = _prompts(batch, args.prompt_len, llm.engine.model_config.vocab_size)
-        reps = [time_phases(llm, prompts, args.steps, args.stop) for _ in range(args.repeats)]
+        reps = [time_phases(llm, prompts, args.steps, args.stop, not args.offline) for _ in range(args.repeats)]
         row = {k: round(statistics.median(r[k] for r in reps), 3) for k in PHASES}
         row.update(batch=batch, total=round(sum(row[k] for k in PHASES), 3),
                    commit_us_per_request=round(1e3 * row["commit"] / batch, 2))
@@ -80,7 +80,8 @@ def host_bench(args) -> dict:
               + f" ms  commit/request {row['commit_us_per_request']} us", flush=True)
         del llm
     result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
-                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, steps=args.steps,
+                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, offline=args.offline,
+                  steps=args.steps,
                   repeats=args.repeats, prompt_len=args.prompt_len, environment=environment(),
                   argv=["python", "-m", "nanodspark.bench", *sys.argv[2:]])
     if args.out:
@@ -96,4 +97,6 @@ def add_host_args(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries (a path of its own)")
+    p.add_argument("--offline", action="store_true",
+                   help="requests as LLM.generate adds them: text decoded once, at the finish (not streamed)")
     p.add_argument("--out", default=None, help="JSON path")

@@ -325,7 +325,8 @@ class OpenAIServer:
                            "rate_limit_error")
         # What the engine may still refuse after our checks (a request the KV cache can never
         # hold) is about the output limit: its 400 names that field.
-        h = Handle(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop(), refusal_param=prep.limit_param)
+        h = Handle(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop(), refusal_param=prep.limit_param,
+                   stream=prep.stream)
         self.inflight += 1
         try:
             self.loop.submit(h, prep.ids, prep.params)

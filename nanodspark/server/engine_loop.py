@@ -64,6 +64,7 @@ class Handle:
     finished: bool = False        # its finished output (or an error) was consumed
     closed: bool = False          # its handler is done with it
     refusal_param: str | None = None  # the field a 400 from add_request names (the handler's checks came first)
+    stream: bool = True           # text every step (SSE); False: the whole text with the final output
 
 
 class EngineLoop:
@@ -154,7 +155,7 @@ class EngineLoop:
         if cmd[0] == "add":
             _, h, prompt_ids, params = cmd
             try:
-                eng.add_request(prompt_ids, params, request_id=h.request_id)
+                eng.add_request(prompt_ids, params, request_id=h.request_id, stream_text=h.stream)
             except OverflowError as e:
                 return self._deliver(h, APIError(429, f"server busy: {e}", "rate_limit_error"))
             except ValueError as e:
