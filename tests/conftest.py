@@ -28,6 +28,18 @@ def _share_the_gpu() -> None:
 
 _share_the_gpu()
 
+
+def _share_the_cores() -> None:
+    """Under xdist each worker's torch would use every core for its CPU work (engines built with
+    device="cpu", references, the tokenizer's tests): 12 workers on 16 cores then run 12 x 16
+    threads, and CPU-bound tests of the GPU machine ran past their timeout. Each gets its share."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if n > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+
+
+_share_the_cores()
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT / "nanodspark" / "assets" / "default" / "tokenizer.json"
 

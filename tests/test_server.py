@@ -272,7 +272,15 @@ def test_malformed_requests_get_4xx(served, client, endpoint, cases):
     assert all(v == 0 for v in kv_used(s).values())
 
 
-def test_disconnects_abort_and_free_kv(served, client):
+def test_disconnects_abort_and_free_kv(served, client, monkeypatch):
+    # Steps of at least 2 ms: on a GPU the tiny model's graphed steps finished all 600 or 900
+    # tokens before the server could notice the client was gone (it checks every 0.5 s).
+    real_step = LLMEngine.step
+
+    def slow_step(self):
+        time.sleep(0.002)
+        return real_step(self)
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
     before = metric(scrape(served.base), "nanodspark_requests_finished_total", finish_reason="abort")
     stream = client.completions.create(model=MODEL, prompt=make_prompt(4), max_tokens=600, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})

@@ -49,7 +49,9 @@ def random_checkpoint(cfg_dict: dict, out: Path, dtype=torch.bfloat16) -> Path:
     return out
 
 
-def environment() -> dict:
+def environment(cuda: bool | None = None) -> dict:
+    """Versions, the command and the device that ran it: the GPU's name, or the CPU's when there
+    is no GPU or the run was asked to stay off it (`cuda=False`)."""
     import platform
     env = {"torch": torch.__version__, "python": platform.python_version(), "argv": " ".join(sys.argv)}
     try:
@@ -57,7 +59,7 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and cuda is not False:
         env["device"] = torch.cuda.get_device_name()
     else:                                  # a CPU run must say so too: its numbers mean something else
         import os

@@ -92,7 +92,7 @@ def tp_bench(args) -> list[dict]:
     if args.out:
         from .bench_engine import environment       # hardware, versions and the exact command (argv)
         with open(args.out, "w") as f:
-            json.dump({"benchmark": "tp", **environment(), "random_weights": True, "gpus": n_gpus,
+            json.dump({"benchmark": "tp", **environment(cuda), "random_weights": True, "gpus": n_gpus,
                        "skipped_tp": skipped, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return rows
