@@ -294,3 +294,28 @@ def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny
     assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch
     assert row["total"] == pytest.approx(sum(row[k] for k in bh.PHASES), abs=2e-3)
     assert res["argv"][-2:] == ["--batches", "3"] and "torch" in json.dumps(res["environment"])
+
+
+def test_engine_speed_times_engines_without_the_prefix_cache(tiny_dir, tmp_path, monkeypatch):
+    """The repeats reuse their prompts; with the prefix cache on, nanodspark would prefill a
+    fraction of what transformers prefills from the second repeat on. The timed engines run
+    without it (the torch system runs on the CPU: no transformers, no profile)."""
+    import nanodspark
+    from nanodspark.lab import bench_speed as bsp
+    built = []
+    real = nanodspark.LLM
+
+    def spy(*a, **kw):
+        built.append(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(nanodspark, "LLM", spy)
+    p = argparse.ArgumentParser()
+    bsp.add_speed_args(p)
+    out = tmp_path / "speed.json"
+    res = bsp.engine_speed(p.parse_args(["--model", str(tiny_dir), "--systems", "torch", "--batches", "2",
+                                         "--max-tokens", "4", "--repeats", "2", "--profile-steps", "0",
+                                         "--kv-gb", "0.05", "--out", str(out)]))
+    (row,) = res["rows"]
+    assert row["tokens"] == 2 * 4 and len(row["seconds_all"]) == 2 and "error" not in row
+    assert built and all(kw["enable_prefix_cache"] is False for kw in built)
+    assert json.loads(out.read_text())["rows"] == res["rows"]

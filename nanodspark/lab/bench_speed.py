@@ -195,8 +195,11 @@ def engine_speed(args) -> dict:
     drafters = [None] + ([args.drafter] if args.drafter else [])
     for s in [s for s in args.systems if not s.startswith("hf-")]:
         for drafter in drafters:
+            # The repeats reuse the prompts: with the prefix cache on, every repeat after the first
+            # would prefill 16 of 128 tokens while transformers prefills all of them. Off, both
+            # systems do the same work (until 2026-12-01 it was on: 09 §8b).
             kw = dict(NS_SYSTEMS[s], drafter_path=drafter or "none", max_num_seqs=max(args.batches),
-                      kv_cache_memory_gb=args.kv_gb, use_tqdm=False)
+                      kv_cache_memory_gb=args.kv_gb, use_tqdm=False, enable_prefix_cache=False)
             t0 = time.perf_counter()
             try:
                 llm = LLM(path, **kw)
