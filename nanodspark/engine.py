@@ -488,10 +488,10 @@ class LLMEngine:
         if self.metrics is not None:
             self.metrics.release(req)
         if reason in ("abort", "error"):
-            if not (req.stream_text or req.params.stop) and req.detok_read < len(req.output_ids):   # not decoded yet
-                commit_text(self.tokenizer, req, req.output_ids[req.detok_read:], final=True)
-                req.emitted = 0           # (its text was never streamed: all of it goes out now)
-            delta, req.emitted = req.text[req.emitted:], len(req.text)
+            if not (req.stream_text or req.params.stop) and req.detok_read < len(req.output_ids):
+                delta = commit_text(self.tokenizer, req, req.output_ids[req.detok_read:], final=True).delta
+            else:                          # (text not yet decoded, above: all of it goes out now)
+                delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict(), error)
 

@@ -20,24 +20,17 @@ import time
 from pathlib import Path
 
 from .bench_engine import environment
-from .bench_speed import _prompts
+from .bench_speed import _decoding_batch, _finish, _prompts
 
 PHASES = ("schedule", "launch_less_forward", "result", "commit")
 
 
 def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = True) -> dict:
     """Per-step host ms of each phase over `steps` decode steps of a batch already decoding."""
-    from .. import SamplingParams
     from ..overlap_loop import SyncLoop
     eng = llm.engine
     eng.loop = SyncLoop(eng)                    # phases one after the other: each timed alone
-    params = SamplingParams(temperature=0, max_tokens=4 * (steps + 8) * (1 + eng.gamma), ignore_eos=True,
-                            stop=stop)
-    reqs = [eng.add_request(p, params, queue_limit=False, stream_text=stream_text) for p in prompts]
-    while eng.scheduler.waiting or any(not r.is_decoding for r in eng.scheduler.running):
-        eng.step()
-    for _ in range(3):                          # past the first decode steps (lazy work, allocator)
-        eng.step()
+    reqs = _decoding_batch(llm, prompts, steps + 3, stop, stream_text)
     graphs, forward = eng.executor.graphs, []
     run = graphs.run
 
@@ -58,9 +51,7 @@ def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = T
                              result=ms["wait"], commit=ms["commit"]))
     finally:
         graphs.run = run
-        for r in reqs:
-            eng.abort(r.request_id)
-            eng.release(r.request_id)
+        _finish(llm, reqs)
     return {k: statistics.median(r[k] for r in rows) for k in PHASES}
 
 

@@ -77,8 +77,7 @@ def time_ns(llm, prompts, max_tokens, repeats) -> dict:
     from .. import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     # warm-up on the whole batch: its prefill shapes compile Triton kernels the first time they
-    # are seen, and two prompts do not reach them (the H200 runs of 2026-12-01 paid that in
-    # their first timed repeats)
+    # are seen, which two prompts do not reach
     llm.generate(prompts, params, use_tqdm=False)
     times, steps = [], []
     for _ in range(repeats):
@@ -97,12 +96,13 @@ def time_ns(llm, prompts, max_tokens, repeats) -> dict:
             "tau": round(statistics.mean(taus), 3) if any(taus) else None}
 
 
-def _decoding_batch(llm, prompts, steps_needed):
+def _decoding_batch(llm, prompts, steps_needed, stop=(), stream_text=True):
     """Admit the prompts with room for `steps_needed` decode steps and step until all decode."""
     from .. import SamplingParams
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=4 * steps_needed * (1 + eng.gamma) + 8, ignore_eos=True)
-    reqs = [eng.add_request(p, params, queue_limit=False) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=4 * steps_needed * (1 + eng.gamma) + 8, ignore_eos=True,
+                            stop=list(stop))
+    reqs = [eng.add_request(p, params, queue_limit=False, stream_text=stream_text) for p in prompts]
     while any(not r.is_decoding for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(3):                        # past the first decode steps (lazy work, allocator)
@@ -197,7 +197,7 @@ def engine_speed(args) -> dict:
         for drafter in drafters:
             # The repeats reuse the prompts: with the prefix cache on, every repeat after the first
             # would prefill 16 of 128 tokens while transformers prefills all of them. Off, both
-            # systems do the same work (until 2026-12-01 it was on: 09 §8b).
+            # systems do the same work.
             kw = dict(NS_SYSTEMS[s], drafter_path=drafter or "none", max_num_seqs=max(args.batches),
                       kv_cache_memory_gb=args.kv_gb, use_tqdm=False, enable_prefix_cache=False)
             t0 = time.perf_counter()
