@@ -402,7 +402,9 @@ class EngineConfig:
     swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
     # --- batching ---
     max_num_seqs: int = 64                # most requests running at once
-    max_num_batched_tokens: int = 2048    # token budget of one forward (prefill chunks + decode + verify)
+    max_num_batched_tokens: int = 0       # token budget of one forward (prefill chunks + decode + verify); 0 = auto: 8192 on CUDA, 2048 on CPU
+    # (on a GPU an eager prefill chunk costs its launches at any size, so fewer and larger chunks;
+    # on a CPU it costs its FLOPs, and a smaller one keeps running decodes moving)
     max_model_len: int = 0                # longest prompt + output; 0 = the model's max_position_embeddings
     max_waiting: int = 1024               # queued requests beyond which new ones are refused
     # --- attention ---
@@ -463,8 +465,8 @@ class EngineConfig:
             raise ValueError("graph_token_fractions must lie in [0, 1]")
         if self.verify_min_gain < 0 or self.verify_lag < 1:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_seqs must be positive and max_num_batched_tokens positive or 0 (auto)")
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1 or \
                 self.tensor_parallel_size % self.expert_parallel_size:
             raise ValueError("tensor_parallel_size and expert_parallel_size must be positive, and the expert "

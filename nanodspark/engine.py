@@ -69,6 +69,13 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def auto_token_budget(device: torch.device) -> int:
+    """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk runs eagerly and its
+    host launches cost the same at 2k or 8k tokens (09 §8b), so a prompt wave in fewer chunks is
+    cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
+    return 8192 if device.type == "cuda" else 2048
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -138,6 +145,8 @@ class LLMEngine:
         from .distributed import local_config
         self.device = parallel.device if parallel is not None else pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
+        if cfg.max_num_batched_tokens == 0:
+            cfg = self.config = dataclasses.replace(cfg, max_num_batched_tokens=auto_token_budget(self.device))
         model_dir = resolve_model_dir(model_path)
         shard = {} if parallel is None else dict(layout=parallel.layout, tp=parallel.tp)
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, **shard)

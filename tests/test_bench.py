@@ -314,8 +314,9 @@ def test_engine_speed_times_engines_without_the_prefix_cache(tiny_dir, tmp_path,
     out = tmp_path / "speed.json"
     res = bsp.engine_speed(p.parse_args(["--model", str(tiny_dir), "--systems", "torch", "--batches", "2",
                                          "--max-tokens", "4", "--repeats", "2", "--profile-steps", "0",
-                                         "--kv-gb", "0.05", "--out", str(out)]))
+                                         "--kv-gb", "0.05", "--max-num-batched-tokens", "3", "--out", str(out)]))
     (row,) = res["rows"]
     assert row["tokens"] == 2 * 4 and len(row["seconds_all"]) == 2 and "error" not in row
     assert built and all(kw["enable_prefix_cache"] is False for kw in built)
+    assert row["max_num_batched_tokens"] == 3      # the chunk the engines ran with is in the JSON
     assert json.loads(out.read_text())["rows"] == res["rows"]

@@ -319,3 +319,18 @@ def test_a_poisoned_request_fails_alone(tiny_dir, tmp_path, drafted):
     assert any(o.request_id == poisoned.request_id and o.error for o in outs)
     assert [r.output_ids for r in reqs] == want
     check_no_leak(llm)
+
+
+def test_token_budget_auto_is_8192_on_cuda_and_2048_on_cpu(tiny_dir):
+    """0 (the default) resolves by device: on a GPU an eager prefill chunk costs its launches at
+    any size, on a CPU its FLOPs. An explicit budget is kept, and a negative one is refused."""
+    from nanodspark.config import EngineConfig
+    from nanodspark.engine import auto_token_budget
+    assert auto_token_budget(torch.device("cuda")) == 8192 and auto_token_budget(torch.device("cpu")) == 2048
+    assert EngineConfig().max_num_batched_tokens == 0
+    llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path="none", device="cpu", kv_cache_memory_gb=0.01)
+    assert llm.engine.config.max_num_batched_tokens == 2048 == llm.engine.scheduler.cfg.max_num_batched_tokens
+    assert LLM(str(tiny_dir), use_tqdm=False, drafter_path="none", device="cpu", kv_cache_memory_gb=0.01,
+               max_num_batched_tokens=7).engine.config.max_num_batched_tokens == 7
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=-1)

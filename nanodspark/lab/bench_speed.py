@@ -199,7 +199,8 @@ def engine_speed(args) -> dict:
             # would prefill 16 of 128 tokens while transformers prefills all of them. Off, both
             # systems do the same work.
             kw = dict(NS_SYSTEMS[s], drafter_path=drafter or "none", max_num_seqs=max(args.batches),
-                      kv_cache_memory_gb=args.kv_gb, use_tqdm=False, enable_prefix_cache=False)
+                      kv_cache_memory_gb=args.kv_gb, use_tqdm=False, enable_prefix_cache=False,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
             t0 = time.perf_counter()
             try:
                 llm = LLM(path, **kw)
@@ -218,7 +219,8 @@ def engine_speed(args) -> dict:
                     r = {"error": repr(e)[:300]}
                 rows.append({"system": s, "batch": batch, "drafter": drafter, "startup_s": round(start_s, 2),
                              "graphs_captured": len(graphs.graphs), "capture_s": round(graphs.capture_seconds, 2),
-                             "capture_mib": round(graphs.capture_bytes / 2**20, 1), **r})
+                             "capture_mib": round(graphs.capture_bytes / 2**20, 1),
+                             "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens, **r})
                 print(rows[-1], flush=True)
             del llm
             torch.cuda.empty_cache()
@@ -281,4 +283,6 @@ def add_speed_args(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled per point (0: none)")
     p.add_argument("--kv-gb", type=float, default=8.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the engines' prefill chunk (token budget of a forward); 0: the engine's default")
     p.add_argument("--out", default="")
