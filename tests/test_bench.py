@@ -320,3 +320,34 @@ def test_engine_speed_times_engines_without_the_prefix_cache(tiny_dir, tmp_path,
     assert built and all(kw["enable_prefix_cache"] is False for kw in built)
     assert row["max_num_batched_tokens"] == 3      # the chunk the engines ran with is in the JSON
     assert json.loads(out.read_text())["rows"] == res["rows"]
+
+
+def test_transformers_gets_the_same_mix_prompts_left_padded(tiny_dir, monkeypatch):
+    """With `--prompts mix` the real prompts are shorter than `prompt_len` and of different
+    lengths (24 to 75 tokens for the default model at 128): transformers must get those same
+    ids, padded on the left and masked, not random prompts of the full length, or the two
+    systems do different work."""
+    import torch
+    import transformers
+    from nanodspark.lab import bench_speed as bsp
+    from nanodspark.loader import Tokenizer
+    ids, mask = bsp.hf_batch([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    seen = []
+
+    class Model:
+        def cuda(self):
+            return self
+
+        def eval(self):
+            return self
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
+    monkeypatch.setattr(bsp, "time_hf", lambda model, ps, *a: seen.append(ps) or {"tokens_per_second": 1.0})
+    p = argparse.ArgumentParser()
+    bsp.add_speed_args(p)
+    bsp.engine_speed(p.parse_args(["--model", str(tiny_dir), "--systems", "hf-static", "--batches", "3",
+                                   "--prompts", "mix", "--prompt-len", "12"]))
+    tok = Tokenizer(tiny_dir)
+    want = bsp._prompts(3, 12, 0, tokenizer=tok, kind="mix")
+    assert seen == [want]
+    assert want != bsp._prompts(3, 12, tok.vocab_size)      # real text, not random ids

@@ -1,8 +1,9 @@
 """Engine speed beside Hugging Face transformers (`python -m nanodspark.bench engine`, on the GPU).
 
-Same work for everyone: `batch` random prompts of `prompt_len` tokens, `max_tokens` new tokens
-each, greedy, end-of-sequence ignored, prefill included, medians of `repeats` timed runs after a
-warm-up. Systems, all in one run on one model:
+Same work for everyone: `batch` random prompts of `prompt_len` tokens (or, with `--prompts mix`,
+the same real prompts for every system, cut to their last `prompt_len` tokens; transformers gets
+them left-padded), `max_tokens` new tokens each, greedy, end-of-sequence ignored, prefill
+included, medians of `repeats` timed runs after a warm-up. Systems, all in one run on one model:
 
 * `hf-dynamic`: `transformers` `generate` with its default dynamic cache (eager PyTorch);
 * `hf-static`: `generate(cache_implementation="static")`, which compiles the forward and replays
@@ -52,10 +53,21 @@ def _prompts(batch, length, vocab, seed=0, tokenizer=None, kind="random"):
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
+def hf_batch(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as transformers' batched `generate` takes them: one rectangle of the same
+    ids, left-padded to the longest, and the attention mask that hides the padding."""
+    n = max(map(len, prompts))
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], mask[i, n - len(p):] = torch.tensor(p, dtype=torch.long), 1
+    return ids, mask
+
+
 def time_hf(model, prompts, max_tokens, repeats, static: bool) -> dict:
-    ids = torch.tensor(prompts, device="cuda")
+    ids, mask = (t.cuda() for t in hf_batch(prompts))
     kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-              attention_mask=torch.ones_like(ids))
+              attention_mask=mask)
     if static:
         kw["cache_implementation"] = "static"
     for _ in range(2):                       # warm-up: compilation and graph capture for static
@@ -180,12 +192,15 @@ def engine_speed(args) -> dict:
     hf = [s for s in args.systems if s.startswith("hf-")]
     if hf:
         import transformers
+        from ..loader import Tokenizer
+        # the ids nanodspark gets below: with "mix", the same real prompts (of varying lengths)
+        tok = Tokenizer(path) if args.prompts == "mix" and Path(path, "tokenizer.json").exists() else None
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
         for s in hf:
             for batch in args.batches:
                 try:
-                    r = time_hf(model, _prompts(batch, args.prompt_len, vocab), args.max_tokens, args.repeats,
-                                s == "hf-static")
+                    ps = _prompts(batch, args.prompt_len, vocab, tokenizer=tok, kind=args.prompts)
+                    r = time_hf(model, ps, args.max_tokens, args.repeats, s == "hf-static")
                 except Exception as e:           # reported, not hidden
                     r = {"error": repr(e)[:300]}
                 rows.append({"system": s, "batch": batch, "drafter": None, **r})
