@@ -102,3 +102,15 @@ def test_entry_point_runs_the_lab_cli(capsys, name, command):
 def test_course_entry_point_lists_the_units(capsys):
     from nanodspark import course
     assert course.main(["list"]) == 0 and "eplb" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "tests" / "device").glob("*.sh")), ids=lambda p: p.name)
+def test_device_scripts_parse_and_refuse_an_unknown_stage(script):
+    """The device scripts run only on the GPU machine, where a syntax error costs a call and its
+    warm window (the SmolLM2 chain loses its carried teacher). Check them here: `bash -n`, and a
+    staged script must refuse a stage it does not know before it does anything."""
+    import subprocess
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if "stage=" in script.read_text():
+        r = subprocess.run(["bash", str(script), "no-such-stage"], capture_output=True, text=True)
+        assert r.returncode == 2 and "unknown stage" in r.stderr
