@@ -498,8 +498,9 @@ class LLMEngine:
             self.metrics.release(req)
         if reason in ("abort", "error"):
             if not (req.stream_text or req.params.stop) and req.detok_read < len(req.output_ids):
+                # never decoded (text decoded at the finish): decode it now, all of it goes out
                 delta = commit_text(self.tokenizer, req, req.output_ids[req.detok_read:], final=True).delta
-            else:                          # (text not yet decoded, above: all of it goes out now)
+            else:                          # decoded step by step: what was held back goes out
                 delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
                              len(req.output_ids), req.spec.as_dict(), error)
