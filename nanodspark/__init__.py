@@ -1,6 +1,7 @@
 """nanodspark: a minimal, readable, real reference engine for DSpark speculative decoding."""
 from .config import EngineConfig, ModelConfig
-from .engine import LLM, LLMEngine, RequestOutput
+from .engine import LLMEngine, RequestOutput
+from .llm import LLM
 from .sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -1,4 +1,4 @@
-"""The engine: choose, launch, commit — and the offline API (`LLM`).
+"""The engine: choose, launch, commit (the offline API, `LLM`, is in llm.py).
 
 One step is four lines (`LLMEngine.step` through the loop of overlap_loop.py): the `Scheduler`
 (scheduler.py) *chooses* what each request feeds this step, the `Executor` (step.py) *drafts
@@ -53,7 +53,7 @@ from .verify import VerifyMode
 
 # The request records and the scheduler live in request.py and scheduler.py; they are named here
 # too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
-__all__ = ["GenerationOutput", "LLM", "LLMEngine", "PhaseClock", "Request", "RequestOutput", "Scheduler",
+__all__ = ["GenerationOutput", "LLMEngine", "PhaseClock", "Request", "RequestOutput", "Scheduler",
            "SpecStats", "Status", "pick_device", "pick_dtype"]
 
 
@@ -515,58 +515,3 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and req.status == Status.FINISHED:
             del self.requests[request_id]
-
-
-# ----------------------------------------------------------------------------- offline API
-class LLM:
-    """`LLM(model_path, **engine_kwargs).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model_path: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
-        self.tokenizer = self.engine.tokenizer
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (`tensor_parallel_size > 1`)."""
-        self.engine.shutdown()
-
-    def stream(self, prompt, params: SamplingParams | None = None):
-        """Yield the `RequestOutput`s of one request as its tokens are committed (a verify step
-        can commit several at once). Closing the iterator early aborts the request. Either way
-        the overlapped loop's step in flight is committed (it streams nothing more) when no
-        other request is left, so the engine is idle afterwards, as after `generate`."""
-        eng = self.engine
-        req = eng.add_request(prompt, params, queue_limit=False)
-        try:
-            while req.status != Status.FINISHED:
-                for out in eng.step():
-                    if out.request_id == req.request_id:
-                        yield out
-        finally:
-            if req.status != Status.FINISHED:
-                eng.abort(req.request_id)
-            while eng.loop.pending and not (eng.scheduler.running or eng.scheduler.waiting):
-                eng.step()
-            eng.release(req.request_id)
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[GenerationOutput]:
-        from tqdm.auto import tqdm
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or a single one for all")
-        eng = self.engine
-        reqs = [eng.add_request(p, sp, queue_limit=False, stream_text=False) for p, sp in zip(prompts, plist)]
-        show = (self.engine.config.use_tqdm if use_tqdm is None else use_tqdm) and len(reqs) > 1
-        bar = tqdm(total=len(reqs), desc="generate", disable=not show)
-        while any(r.status != Status.FINISHED for r in reqs) or eng.loop.pending:
-            for out in eng.step():
-                if out.finished:
-                    bar.update(1)
-        bar.close()
-        results = [GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text, r.finish_reason,
-                                    r.spec.as_dict()) for r in reqs]
-        for r in reqs:
-            eng.release(r.request_id)
-        return results
