@@ -187,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from nanodspark.engine import LLMEngine
+    from nanodspark.llm import build_engine
     from nanodspark.server import HTTPServer, create_app
 
     try:
-        engine = LLMEngine(args.model, cfg)
+        engine = build_engine(args.model, cfg)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"error: could not load {model_dir}: {e}\nPass --model PATH to a Hugging Face checkpoint "
               "directory.", file=sys.stderr)

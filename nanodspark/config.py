@@ -424,7 +424,7 @@ class EngineConfig:
     # request slots of the captured tiers (those above max_num_seqs are dropped)
     graph_token_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     # verify-token tiers per slot count when the verify mode trims: slots + fraction * slots * gamma
-    overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; overlap_loop.py)
+    overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; engine.py `step`)
     tune_gemm: bool = False               # time the skinny-GEMM kernel (kernels/linear.py) against the library at start-up
     # --- progress ---
     use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
@@ -495,3 +495,19 @@ class EngineConfig:
                              f"not {self.swa_replay_tokens!r}")
         if self.swa_snapshots < 0 or self.swa_snapshot_ttl_s <= 0:
             raise ValueError("swa_snapshots must be >= 0 and swa_snapshot_ttl_s > 0")
+
+
+def pick_device(name: str):
+    """"auto" = cuda if available, else cpu; otherwise the device named."""
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device):
+    """"auto" = bfloat16 on cuda, float32 elsewhere."""
+    import torch
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -39,8 +39,7 @@ def detokenize(tokenizer, req, new_ids: list[int], final: bool, end: int | None 
     """
     if tokenizer is None or not new_ids:
         return "", False
-    ids = req.output_ids
-    end = len(ids) if end is None else end
+    end = req.num_output if end is None else end
     window, old = decoded or _decode_window(tokenizer, req, end)
     # else wait for the rest of the character; bounded, so that a model emitting invalid
     # UTF-8 for ever cannot make the window (and each step's decode) grow without limit
@@ -86,7 +85,7 @@ def commit_text(tokenizer, req, new_ids: list[int], final: bool) -> TextCommit:
         return TextCommit("", False, n)     # (text not streamed: decoded once, when it finishes)
     if n == 1 or not req.params.stop:
         return TextCommit(*detokenize(tokenizer, req, new_ids, final), n)
-    end = len(req.output_ids)
+    end = req.num_output
     decoded = _decode_window(tokenizer, req, end)
     window, old = decoded
     if _find_stop(req.text + window[len(old):], req.emitted, req.params.stop) < 0:
@@ -96,15 +95,16 @@ def commit_text(tokenizer, req, new_ids: list[int], final: bool) -> TextCommit:
         delta, hit = detokenize(tokenizer, req, new_ids[j - 1:j], final and j == n, end=start + j)
         deltas.append(delta)
         if hit:
-            del req.output_ids[start + j:]
+            req.truncate_output(start + j)
             return TextCommit("".join(deltas), True, j)
     return TextCommit("".join(deltas), False, n)
 
 
 def _decode_window(tokenizer, req, end: int) -> tuple[str, str]:
     """The decode window with and without the tokens since the last boundary."""
-    ids, decode = req.output_ids, tokenizer.decode
-    return decode(ids[req.detok_prefix:end]), decode(ids[req.detok_prefix:req.detok_read])
+    p = len(req.prompt_ids)
+    window = req.ids(p + req.detok_prefix, p + end)
+    return tokenizer.decode(window), tokenizer.decode(window[:req.detok_read - req.detok_prefix])
 
 
 def _find_stop(text: str, emitted: int, stops: list[str]) -> int:

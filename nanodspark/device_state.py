@@ -6,7 +6,7 @@ then step n+1 cannot be launched before the host has read step n's result (the a
 the bonus token of n). So the device keeps them: `seq_len[s]` (tokens of slot s with KV in the
 cache) and `last_token[s]` (the anchor) are advanced *by the step itself* on the device when it
 accepts drafts, and the next step reads them there (SGLang's future map indexed by request-pool
-slot; vLLM's async scheduling). The host learns them one step late (overlap_loop.py).
+slot; vLLM's async scheduling). The host learns them one step late (engine.py `step`).
 
 The host writes only what it decides or knows: a request's sampling parameters, limits and
 sliding-window start when it is admitted, its anchor and length when it becomes decoding

@@ -257,7 +257,10 @@ class Drafter(nn.Module):
             t = logits.argmax(-1)
             if st is not None:
                 p = probs_from_logits(logits, st)
-                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, stream)
+                # the draft stream is keyed by the anchor too: fresh noise when a later step
+                # proposes this position again (verify.py); coupled drafts use the target's own
+                drawn = gumbel_argmax(torch.log(p), st.seed, anchor_pos + 1 + k, stream,
+                                      anchor_pos if stream == STREAM_DRAFT else None)
                 t = torch.where(st.temperature < GREEDY_BELOW, t, drawn)
                 probs.append(p)
             toks.append(t)

@@ -1,33 +1,33 @@
-"""The engine: choose, launch, commit (the offline API, `LLM`, is in llm.py).
+"""The engine: schedule, launch, result, commit (the offline API, `LLM`, is in llm.py).
 
-One step is four lines (`LLMEngine.step` through the loop of overlap_loop.py): the `Scheduler`
-(scheduler.py) *chooses* what each request feeds this step, the `Executor` (step.py) *drafts
-and verifies* on the device — the prefill chunks in one eager forward, the decoding requests in
-one decode step (speculative.py) replayed from a CUDA graph when a tier fits (ragged_graphs.py)
-— and the engine *commits* the typed `StepResult`: new tokens, stops, rollback of rejected
-slots, published blocks, frees. Requests and the records the engine answers with are in
-request.py; this file also picks the device and dtype and keeps `PhaseClock`.
+A step is `LLMEngine.step`'s four phases: the `Scheduler` (scheduler.py) *chooses* what each
+request computes; `launch` starts the step on the device without waiting — prefill chunks in one
+eager forward, every decoding request in one decode step (speculative.py: draft, choose windows,
+verify, accept) replayed from a CUDA graph when a tier fits (ragged_graphs.py); `result` waits
+for the device; `commit` applies the typed `StepResult`. Overlapped (on CUDA), step n+1 is
+launched before step n's result is read: the host's work for one step hides behind the GPU's
+work for the other (walkthrough chapter 11). The anchors and lengths a step needs from the one
+before never visit the host (device_state.py), a request with a step in flight reserves KV for
+it and the next (scheduler.py), and a row whose request finished meanwhile is dropped at commit.
 
-Continuous batching. Every request is a token list `prompt + output` of which the first
-`num_computed` have KV in the cache. A step feeds each running request the next slice of that
-list: a prefill chunk, or a verify window (a single token without a drafter). When a prefill
-slice reaches the end of the list, its last row samples one new token on the device, where the
-next decode step finds it.
+Host-light. The running requests' counters and tokens are arrays by slot (batch.py); a commit
+is a few array operations for the whole batch, and Python runs per request only when something
+happens to it: it finishes, streams text or has stop strings, or crosses a KV block.
 
-KV budget. A request is admitted when its prompt's blocks fit. When a running request cannot
-grow, the most recently admitted request is preempted: its blocks are freed and it goes back to
-the front of the queue, to be recomputed from its prompt *and* its output so far (recompute is
-exact: sampling is keyed by seed and position, sampling.py). No request is dropped; one that
-could never fit in the whole cache is refused at `add_request` with a `ValueError`.
+Continuous batching. A request is `prompt + output`, of which `num_computed` tokens have KV. A
+step feeds each running request its next slice: a prefill chunk, or a verify window (one token
+without a drafter). A chunk that reaches the end samples the next token on the device. When
+blocks run out the most recently admitted request is preempted and recomputed later from its
+prompt and output (exact: sampling is keyed, sampling.py); nothing is dropped, and a request
+that could never fit is refused at `add_request`.
 
-Failures. A request whose logits are not finite is finished with reason "error" and the batch
-goes on; an exception in a step (out of memory, a kernel error) propagates to the caller, which
-may call `fail_all` and keep serving new requests.
+Failures. A request whose logits are not finite finishes with "error" and the batch goes on;
+an exception in a step propagates to the caller, which may call `fail_all` and keep serving.
 
-Invariants: a request's block tables cover exactly its reserved tokens; every row a step
-computes has a reserved slot; a finished or aborted request holds no blocks and no slot;
-`num_computed <= len(prompt) + len(output)`; a commit for a request that finished while the
-step was in flight is dropped. Walkthrough chapter 01.
+Invariants: a request's tables cover the positions reserved for it; every row a step computes
+has a reserved slot; a finished or aborted request holds no blocks and no slot; `num_computed <=
+num_tokens`; a row launched for a slot whose request has since left (its generation changed) is
+never applied. Walkthrough chapters 01 and 11.
 """
 from __future__ import annotations
 
@@ -36,20 +36,22 @@ import itertools
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
+from torch.profiler import record_function
 
-from .config import EngineConfig
+from .batch import RunningBatch
+from .config import EngineConfig, pick_device, pick_dtype
 from .detokenizer import commit_text
-from .device_state import DeviceState, StateWrites
-from .loader import Tokenizer, load_model, resolve_model_dir
-from .model import KVCache, ops_for
+from .device_state import StateWrites
+from .loader import Tokenizer
 from .paged_kv import BlockManager
-from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status
-from .runner import Chunk, ModelRunner
+from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status, StepOutputs
+from .runner import Chunk
 from .sampling import SamplingParams, draw_seed
-from .scheduler import Drain, Scheduler
-from .step import Executor, StepPlan, StepResult
-from .verify import VerifyMode
+from .scheduler import Drain, Schedule, Scheduler
+from .step import DecodeRows, StepPlan, StepResult
+from .worker import Worker
 
 # The request records and the scheduler live in request.py and scheduler.py; they are named here
 # too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
@@ -57,29 +59,11 @@ __all__ = ["GenerationOutput", "LLMEngine", "PhaseClock", "Request", "RequestOut
            "SpecStats", "Status", "pick_device", "pick_dtype"]
 
 
-def _triton_interpreting() -> bool:
-    import os
-    import kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU while it still can)
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def auto_token_budget(device: torch.device) -> int:
     """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk runs eagerly and its
     host launches cost the same at 2k or 8k tokens (09 §8c), so a prompt wave in fewer chunks is
     cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
     return 8192 if device.type == "cuda" else 2048
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -106,6 +90,9 @@ class PhaseClock:
         self.total[name] = self.total.get(name, 0.0) + t - self._t
         self._t = t
 
+    def add(self, name: str, seconds: float) -> None:
+        self.total[name] = self.total.get(name, 0.0) + seconds
+
     def reset(self) -> None:
         self.total, self.steps = {}, 0
 
@@ -123,135 +110,60 @@ class PhaseClock:
 
 
 class LLMEngine:
+    """The host side of serving: requests, scheduling, commit. The device side (model, caches,
+    device state, executor) is a `Worker` (worker.py); with `parallel` (distributed.py), the
+    engine runs on rank 0 and every rank holds a `Worker` of its own."""
+
     def __init__(self, model_path: str | None = None, config: EngineConfig | None = None, parallel=None):
-        self.config = cfg = config or EngineConfig()
-        from . import distributed
-        if parallel is None and distributed.wanted(cfg):
-            parallel = distributed.Parallel.start(cfg, model_path)   # spawns the workers (or joins torchrun's)
-        self.parallel = parallel          # None in one process; else this rank's place (distributed.py)
+        cfg = config or EngineConfig()
+        if cfg.max_num_batched_tokens == 0:
+            cfg = dataclasses.replace(cfg, max_num_batched_tokens=auto_token_budget(pick_device(cfg.device)))
+        self.config, self.parallel = cfg, parallel   # parallel: None in one process; else rank 0's place
         try:
-            self._build(model_path, cfg, parallel)
+            self._build(model_path, cfg)
         except BaseException as e:
-            if parallel is not None and parallel.rank == 0:
-                lost = parallel.lost
-                parallel.abort()
-                if lost is not None and not isinstance(e, distributed.WorkerLost):
-                    raise distributed.WorkerLost(f"{lost} during start-up") from e
+            if parallel is not None:
+                parallel.abort_start(e)       # names a worker that died, if one did
             raise
         if parallel is not None:
-            parallel.ready(self)          # a worker serves forwards from here and never returns
+            parallel.ready(self.worker)       # the workers start serving steps
 
-    def _build(self, model_path, cfg: EngineConfig, parallel) -> None:
-        from .distributed import local_config
-        self.device = parallel.device if parallel is not None else pick_device(cfg.device)
-        self.dtype = pick_dtype(cfg.dtype, self.device)
-        if cfg.max_num_batched_tokens == 0:
-            cfg = self.config = dataclasses.replace(cfg, max_num_batched_tokens=auto_token_budget(self.device))
-        model_dir = resolve_model_dir(model_path)
-        shard = {} if parallel is None else dict(layout=parallel.layout, tp=parallel.tp)
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, **shard)
-        self.model_config = mc = self.model.config
-        # the attention of this rank (its own heads): what its KV cache holds
-        self.kv_config = mc if parallel is None else local_config(mc, parallel.layout)
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_id) if (model_dir / "tokenizer.json").exists() else None
+    def _build(self, model_path, cfg: EngineConfig) -> None:
+        self.worker = w = Worker(model_path, cfg, self.parallel)
+        # the device side, named here as the engine's own (tests, benches and the server read them)
+        self.device, self.dtype, self.model, self.drafter = w.device, w.dtype, w.model, w.drafter
+        self.model_config, self.kv_config, self.backend, self.ops = w.model_config, w.kv_config, w.backend, w.ops
+        self.kv_cache, self.state, self.runner, self.executor = w.kv_cache, w.state, w.runner, w.executor
+        self.gamma, self.eplb, self.verify_mode, self.max_model_len = w.gamma, w.eplb, w.verify_mode, w.max_model_len
+        mc = self.model_config
+        self.tokenizer = Tokenizer(w.model_dir, mc.eos_token_id) if (w.model_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        mc.check_max_model_len(self.max_model_len)      # dynamic RoPE: exact only up to max_position_embeddings
-        self.backend = cfg.attention_backend
-        if self.backend == "auto":
-            self.backend = "triton" if self.device.type == "cuda" else "torch"
-        if self.backend == "triton" and self.device.type != "cuda" and not _triton_interpreting():
-            raise ValueError("attention_backend='triton' needs CUDA (or, for tests, TRITON_INTERPRET=1 "
-                             "set before Triton is imported); use 'torch' on CPU")
         self.model_name = str(model_path or "default")  # the key of this model's cost table
-        self.ops = ops_for(self.backend, cfg.batch_invariant)
-        self.drafter = drafter = self._load_drafter(model_dir)
-        self.gamma = drafter.config.gamma if drafter is not None else 0
-        if self.backend == "triton" or cfg.batch_invariant:    # one GEMM for q/k/v and for gate/up
-            self.model.fuse()
-            if drafter is not None:
-                drafter.fuse()
-        self.eplb = None                      # expert load balancing (eplb.py): widens the MoE layers
-        if cfg.eplb:                          # before anything captures them
-            from .eplb import ExpertBalancer
-            self.eplb = ExpertBalancer(self.model, cfg, self.device)
-        num_blocks = self._num_kv_blocks(drafter)
-        if parallel is not None:              # rank 0 allocates blocks every rank must have
-            num_blocks = parallel.min_int(num_blocks)
-        self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
-                                self.dtype, self.device)
-        managers = {g: BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache and g == "full")
-                    for g in self.kv_cache.layout}
-        draft_cache = None
-        if drafter is not None:
-            managers["draft"] = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
-            dc = drafter.config
-            draft_cache = torch.zeros(dc.num_layers, 2, num_blocks, cfg.block_size, dc.num_key_value_heads,
-                                      dc.head_dim, dtype=self.dtype, device=self.device)
         if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
                              f"({self.decode_rows} rows = anchor + gamma drafts)")
+        managers = {g: BlockManager(w.num_blocks, cfg.block_size, cfg.enable_prefix_cache and g != "sliding")
+                    for g in w.groups}
         from .swa_replay import look_back
-        overlapped = cfg.overlap and self.device.type == "cuda"      # the loop chosen below
-        self.scheduler = Scheduler(cfg, mc, managers, look_back(self.gamma, 2 if overlapped else 1))
-        max_blocks = -(-(self.max_model_len + 2 * self.decode_rows) // cfg.block_size)
-        self.state = DeviceState(cfg.max_num_seqs, list(managers), max_blocks, self.device)
+        self.overlap = cfg.overlap and self.device.type == "cuda"    # launch step n+1 before committing n
+        self.batch = RunningBatch(cfg.max_num_seqs)
+        self.scheduler = Scheduler(cfg, mc, managers, look_back(self.gamma, 2 if self.overlap else 1), self.batch)
         self.writes = StateWrites()
-        self.verify_mode = VerifyMode.parse(cfg.verify_mode)
-        from .speculative import SpecStep
-        tp = parallel.tp if parallel is not None else None
-        self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter, draft_cache,
-                                  tp=tp)
-        spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
-                        drafter, draft_cache, tp=tp)
-        spec.coupled = cfg.coupled_sampling
-        use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
-        self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
-                                 cfg.graph_batch_sizes, cfg.graph_token_fractions)
         self.windows = self._window_policy()
         from .observers import SpecMetrics
-        self.metrics = SpecMetrics(self.gamma, self.verify_mode) if drafter is not None else None
+        self.metrics = SpecMetrics(self.gamma, self.verify_mode, self.batch) if self.drafter is not None else None
         self.extra_observers: list = []     # e.g. train_heads' CalibrationRecorder
         self.seed_generator = torch.Generator().manual_seed(cfg.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.clock = PhaseClock()
-        from .overlap_loop import OverlapLoop, SyncLoop
-        self.loop = OverlapLoop(self) if overlapped else SyncLoop(self)
-        if self.device.type == "cuda" and self.backend == "triton":
-            self._tune_gemms()
-        if use_graphs:
-            self.executor.graphs.capture([(True, False), (False, False)], progress=cfg.use_tqdm)
-
-    def _tune_gemms(self) -> None:
-        """Record the GEMM shapes of every decode tier and let the skinny kernel take those it
-        runs faster (kernels/linear.py); before capture, so the graphs hold the choice."""
-        lin = self.ops.linear
-        if not self.config.tune_gemm or not hasattr(lin, "tune"):
-            return
-        lin.recording = set()
-        self.executor.graphs.warm([(True, False)])
-        shapes, lin.recording = lin.recording, None
-        lin.tune(shapes, self.device)
-
-    def _load_drafter(self, model_dir):
-        from .drafter import Drafter
-        path = self.config.drafter_path
-        if path is None:
-            path = model_dir / "drafter"
-            if not (path / "config.json").exists():
-                return None
-        elif str(path).lower() == "none":
-            return None
-        d = Drafter.load(path, self.model, self.device, self.dtype)
-        if self.config.gamma and self.config.gamma != d.config.gamma:
-            raise ValueError(f"gamma={self.config.gamma} but the drafter was trained with block size "
-                             f"{d.config.gamma}; serve with its own gamma (trim with verify_mode instead)")
-        return d
+        self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
+        self.in_flight = None                 # the overlapped step launched and not yet committed
+        w.capture()
 
     def _window_policy(self):
-        from .cost_scheduler import CostScheduler, CostWindows, StaticWindows
+        from .cost_scheduler import CostScheduler
         from .cost_table import CostTable
+        from .windows import CostWindows, StaticWindows
         cfg = self.config
         if self.drafter is None or not self.verify_mode.trims:
             return StaticWindows(self.gamma)
@@ -259,19 +171,6 @@ class LLMEngine:
                                self.device.type, ()) if cfg.cost_table else None
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain))
-
-    def _num_kv_blocks(self, drafter=None) -> int:
-        cfg, mc = self.config, self.kv_config
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        n_layers = mc.num_hidden_layers + (drafter.config.num_layers if drafter is not None else 0)
-        per_block = KVCache.bytes_per_block(mc, n_layers, cfg.block_size, self.dtype)
-        if cfg.kv_cache_memory_gb:
-            return max(1, int(cfg.kv_cache_memory_gb * 2**30 // per_block))
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * cfg.kv_memory_fraction // per_block))
-        return cfg.cpu_kv_blocks
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -309,7 +208,7 @@ class LLMEngine:
         seed = draw_seed(self.seed_generator) if params.seed is None else (params.seed + 2**63) % 2**64 - 2**63
         req = Request(request_id, ids, params, seed, limit, stream_text=stream_text)
         self.requests[request_id] = req
-        self.scheduler.waiting.append(req)
+        self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -323,11 +222,20 @@ class LLMEngine:
         state rebuilt as requests are admitted again) keeps serving new ones."""
         outs = [self._finish(r, "error", error=message) for r in list(self.scheduler.running) +
                 list(self.scheduler.waiting)]
-        self.loop.forget()
+        self.in_flight = None
         return outs
 
+    @property
+    def eos_ids(self) -> set[int]:
+        return self._eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self._eos_ids = set(ids)
+        self.eos = np.array(sorted(self._eos_ids), dtype=np.int64)      # the commit's array form
+
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self.loop.pending)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.in_flight)
 
     def kv_usage(self) -> dict:
         return {g: dict(used=bm.num_used_blocks, free=bm.num_free_blocks, total=bm.num_blocks)
@@ -338,58 +246,98 @@ class LLMEngine:
         """Slots a decoding request reserves per step: 1, or anchor + gamma drafts with a drafter."""
         return 1 + self.gamma
 
-    # -- the step: choose -> launch (draft, verify) -> commit -------------------------------
-    def step(self) -> list[RequestOutput]:
-        return self.loop.step()
+    # -- the step: schedule -> launch -> result -> commit ----------------------------------
+    def step(self) -> StepOutputs:
+        """One step. Overlapped, the result read and committed is the previous call's: step n+1
+        is on the device before the host commits step n (walkthrough chapter 11)."""
+        # BEGIN STUDENT overlap: LLMEngine.step: schedule, launch (if there is a plan), then read and commit the
+        #   result; overlapped, keep the new handle in flight and read the previous one instead; clock steps
+        out = StepOutputs()
+        with self.phase("schedule"):
+            plan = self.schedule(out)
+        with self.phase("launch"):
+            handle = self.launch(plan) if plan else None
+        if self.overlap:                      # the one-step delay
+            handle, self.in_flight = self.in_flight, handle
+        with self.phase("result"):
+            result = handle.result() if handle is not None else None
+        with self.phase("commit"):
+            if result is not None:
+                self.commit(result, out)
+        self.clock.steps += plan is not None and bool(plan)
+        return out
+        # END STUDENT overlap
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """Choose: (request, rows) for the next step. Raises `Drain` when it must preempt a
-        request whose step is in flight."""
-        return self.scheduler.schedule(self.decode_rows)
+    @contextmanager
+    def phase(self, name: str):
+        """Time a phase of `step` into the clock (and name it in a torch profile)."""
+        t = time.perf_counter()
+        with record_function(name):
+            yield
+        self.clock.add(name, time.perf_counter() - t)
 
-    def launch(self, plan: list[tuple[Request, int]]):
+    def schedule(self, out: StepOutputs | None = None) -> Schedule:
+        """Choose this step's work (scheduler.py). A preemption that needs the step in flight read
+        first raises `Drain`: commit it, then choose again."""
+        # BEGIN STUDENT overlap: LLMEngine.schedule: on Drain, commit the step in flight (if any) first, then
+        #   schedule again
+        try:
+            return self.scheduler.schedule(self.decode_rows)
+        except Drain:
+            handle, self.in_flight = self.in_flight, None
+            if handle is not None:
+                self.commit(handle.result(), out if out is not None else StepOutputs())
+            return self.scheduler.schedule(self.decode_rows)
+        # END STUDENT overlap
+
+    def launch(self, sched: Schedule):
         """Start the step on the device and return its `StepHandle` without waiting. What the
         host already knows is applied here: prefill rows advance `num_computed`, the in-flight
         counters grow, new slots get their sampling parameters, new blocks reach the device."""
-        w, sp = self.writes, StepPlan()
-        decoding = [req for req, _ in plan if req.is_decoding]
-        if decoding:        # first: a policy may refuse the step before anything has changed
-            sp.windows = self.windows.plan(decoding, self.executor.steps)
-        for req, rows in plan:
+        b, w, plan = self.batch, self.writes, StepPlan()
+        dec = sched.decode
+        for req in self.scheduler.changed:   # new slots and new blocks: only requests that changed
             self._sync_state(req)
-            if req.is_decoding:
-                if not req.device_anchor:      # it became decoding on the host (prompt or prefix hit)
+        self.scheduler.changed.clear()
+        if len(dec):                         # first: a policy may refuse the step before anything has changed
+            plan.decode_slots, plan.decode_generations = dec, b.generation[dec]
+            plan.windows = self.windows.plan(DecodeRows(dec, plan.decode_generations, None, b.req[dec]),
+                                             self.executor.steps)
+            for req in sched.joined:         # it became decoding on the host (prompt or prefix hit)
+                if not req.device_anchor:
                     w.anchors.append((req.slot, req.num_computed, req.last_id))
                     req.device_anchor = True
-                sp.decode.append(req)
-                sp.decode_slots.append(req.slot)
-                req.inflight += 1
-                req.decode_inflight += 1
-            else:
-                start = req.num_computed
-                sample = start + rows >= req.num_tokens
-                sp.chunks.append(Chunk(req.slot, start, req.ids(start, start + rows), sample, req.replay_until,
-                                       min(t.num_tokens for t in req.tables.values())))
-                sp.chunk_owners.append(req)
-                req.num_computed += rows
-                req.inflight += sample
-                req.device_anchor = sample
-        reqs = sp.decode + [r for r, c in zip(sp.chunk_owners, sp.chunks) if c.sample]
-        sp.greedy_only = all(r.params.greedy for r in reqs)
-        sp.truncates = any(r.params.truncates for r in reqs)
+            b.inflight[dec] += 1
+            b.decode_inflight[dec] += 1
+        sampled = []
+        for req, rows in sched.prefill:
+            start = req.num_computed
+            sample = start + rows >= req.num_tokens
+            plan.chunks.append(Chunk(req.slot, start, req.ids(start, start + rows), sample, req.replay_until,
+                                     min(t.num_tokens for t in req.tables.values())))
+            plan.chunk_owners.append(req)
+            req.num_computed += rows
+            req.inflight += sample
+            req.device_anchor = sample
+            if sample:
+                sampled.append(req)
+        plan.greedy_only = bool(b.greedy[dec].all()) and all(r.params.greedy for r in sampled)
+        plan.truncates = bool(b.truncates[dec].any()) or any(r.params.truncates for r in sampled)
         if self.parallel is not None:         # rank 0 sends the step, every rank runs it (distributed.py)
-            handle = self.parallel.launch(self, w, sp)
+            handle = self.parallel.launch(w, plan)
         else:
             self.state.apply(w)
-            handle = self.executor.launch(sp)
+            handle = self.executor.launch(plan)
         if self.eplb is not None:             # close the step's expert loads, in stream order after its forward
             self.eplb.launched()
         return handle
 
     def _sync_state(self, req: Request) -> None:
         """Queue what the device does not know yet about `req`: its parameters (new slot) and the
-        block-table entries allocated since the last step."""
+        block-table entries allocated since it was last synced."""
         w = self.writes
+        if req.slot < 0:
+            return
         if not req.synced:
             p = req.params
             w.params.append((req.slot, req.limit_len, req.kv_start, p.top_k if not p.greedy else 0, req.seed,
@@ -397,113 +345,148 @@ class LLMEngine:
         for g, t in req.tables.items():
             n = min(req.synced.get(g, 0), len(t.blocks))
             if n < len(t.blocks):
-                w.tables.setdefault(g, []).extend((req.slot, i, b) for i, b in enumerate(t.blocks[n:], n))
+                w.tables.setdefault(g, []).extend((req.slot, i, blk) for i, blk in enumerate(t.blocks[n:], n))
             req.synced[g] = len(t.blocks)
 
-    def commit(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result to its requests; observers see afterwards what was applied (not
-        the rows of requests that had finished or whose numbers broke: their confidences are
-        stale or NaN, and nothing will settle their statistics)."""
-        outs, applied = [], []
-        for c in result.commits:
-            req = c.request
-            if c.verify is not None or c.tokens:
-                req.inflight -= 1
-            if c.verify is not None:
-                req.decode_inflight -= 1
-            if req.status == Status.FINISHED:
-                continue                      # finished (or aborted) while this step was in flight
-            if not c.finite:                  # this request's numbers broke: it fails, the batch goes on
-                outs.append(self._finish(req, "error", error="the model produced non-finite logits for this request"))
-                continue
-            if c.verify is not None:
-                req.num_computed += c.advanced
-                self._count(req, c.verify)
-            outs.append(self._apply(req, c.tokens))
-            applied.append(c)
-        seen = result if len(applied) == len(result.commits) else dataclasses.replace(result, commits=applied)
+    def commit(self, result: StepResult, out: StepOutputs) -> None:
+        """Apply a step's result: the prefill chunks one by one, the decode rows all at once; then
+        the observers see what was applied (not the rows of requests that had finished or whose
+        numbers broke: their confidences are stale or NaN, and nothing will settle them)."""
+        for r in result.prefill:
+            self._commit_chunk(r, out)
+        seen = result
+        if result.decode is not None:
+            rows = self._commit_decode(result.decode, out)
+            seen = dataclasses.replace(result, decode=result.decode.select(rows))
         for o in self.observers:
             o.observe(seen)
-        return outs
+
+    def _commit_chunk(self, r, out: StepOutputs) -> None:
+        req = r.request
+        if r.token is None:                   # a chunk inside the prompt: publish what became full
+            if req.status != Status.FINISHED:
+                self.scheduler.settle(req, 0)
+            return
+        req.inflight -= 1
+        if req.status == Status.FINISHED:     # finished (or aborted) while this step was in flight
+            return
+        if not r.finite:
+            out.add(self._finish(req, "error", error="the model produced non-finite logits for this request"))
+            return
+        out.add(self._apply(req, [r.token]))
+
+    def _commit_decode(self, d: DecodeRows, out: StepOutputs) -> np.ndarray:
+        """Commit every decode row with array operations; returns the rows applied. A request's
+        object is touched only if it finishes, needs its text, or crosses a KV block."""
+        b, o = self.batch, d.out
+        s = d.slots
+        d.requests = b.req[s]                                    # (before any of them finishes below)
+        live = b.live[s] & (b.generation[s] == d.generations)    # the request of the row is still here
+        sl = s[live]
+        b.inflight[sl] -= 1
+        b.decode_inflight[sl] -= 1
+        for i in np.flatnonzero(live & (o.finite == 0)).tolist():   # its numbers broke: it fails alone
+            out.add(self._finish(b.req[s[i]], "error", error="the model produced non-finite logits for this request"))
+        rows = np.flatnonzero(live & (o.finite != 0))
+        s, count, toks = s[rows], o.count[rows], o.tokens[rows]
+        before = b.num_computed[s]
+        b.num_computed[s] = before + count
+        self._count(s, o, rows)
+        # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
+        # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
+        n_out = b.out_len[s]
+        room = np.maximum(1, np.minimum(b.max_tokens[s] - n_out, self.max_model_len - b.prompt_len[s] - n_out))
+        take = np.minimum(count, room)
+        length = count >= room
+        stop = np.zeros(len(s), dtype=bool)
+        if len(self.eos):
+            k = np.arange(toks.shape[1])
+            eos = np.isin(toks, self.eos) & (k[None, :] < take[:, None]) & ~b.ignore_eos[s][:, None]
+            stop = eos.any(1)
+            take = np.where(stop, eos.argmax(1) + 1, take)
+        b.append_rows(s, toks, take)
+        out.add_rows(d.requests[rows], toks, take)
+        # Python only for the rows that need it
+        bs, W = self.config.block_size, self.scheduler.window_kept
+        crossed = ((before + count) // bs > before // bs) | ((before + count - W) // bs > (before - W) // bs)
+        first = n_out == 0
+        special = np.flatnonzero(stop | length | b.text[s] | crossed | first)
+        for i in special.tolist():
+            req = d.requests[rows[i]]
+            if first[i] and req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if crossed[i]:
+                self.scheduler.settle(req, int(before[i]))
+            if stop[i] or length[i] or b.text[s[i]]:
+                new = toks[i, :take[i]].tolist()
+                reason = "stop" if stop[i] else "length" if length[i] else None
+                out.replace(self._text(req, new, reason))
+        applied = np.zeros(len(d.slots), dtype=bool)
+        applied[rows] = True
+        return applied
 
     @property
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, req: Request, v) -> None:
-        s = req.spec
-        s.steps += 1
-        s.drafted += self.gamma
-        s.verified += self.verify_mode.reported_window(v.window, v.verified)
-        s.accepted += v.accepted
-        s.committed += v.accepted + 1
-        if self.verify_mode.reports_ceiling:
-            s.ceiling += v.ceiling + 1
+    def _count(self, slots: np.ndarray, o, rows: np.ndarray) -> None:
+        """The rows' SpecStats, all at once (request.py names the counters)."""
+        if not self.gamma:
+            return
+        spec, count = self.batch.spec, o.count[rows]
+        win = o.windows[rows]
+        verified = np.minimum(win, o.verified[rows]) if self.verify_mode.trims else o.verified[rows]
+        add = np.stack([np.ones_like(count), np.full_like(count, self.gamma), verified, count - 1, count,
+                        o.ceiling[rows] + 1 if self.verify_mode.reports_ceiling else np.zeros_like(count)], 1)
+        spec[slots] += add
 
     def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        """Commit new tokens, publish full blocks, release window-expired blocks, check stops."""
+        """Commit one request's new tokens (a prefill sample): stops, text, blocks."""
+        old = req.num_computed
         accepted, reason = self._accept(req, new_ids)
+        req.append_output(accepted)
         if accepted and req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        req.output_ids += accepted
-        self._settle_blocks(req)
+        self.scheduler.settle(req, old)
+        return self._text(req, accepted, reason)
+
+    def _text(self, req: Request, accepted: list[int], reason: str | None) -> RequestOutput:
+        """The text of the tokens just appended, stop strings, and the finish if this ends it."""
         delta, stop_hit, keep = commit_text(self.tokenizer, req, accepted, final=reason is not None)
-        if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from output_ids
+        if stop_hit:  # the stop completed at accepted[keep - 1]; commit_text dropped the rest from the output
             reason, accepted = "stop", accepted[:keep]
         if reason:
             return self._finish(req, reason, accepted, delta)
         return RequestOutput(req.request_id, accepted, delta, False, None, len(req.prompt_ids),
-                             len(req.output_ids), req.spec.as_dict())
+                             req.num_output, req.spec.as_dict())
 
     def _accept(self, req: Request, new_ids: list[int]) -> tuple[list[int], str | None]:
         """The new tokens up to and including the first that ends the request: an EOS ("stop"),
         or the one that reaches max_tokens or the context limit ("length"); EOS wins a tie."""
-        room = max(1, min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens))
+        room = max(1, min(req.params.max_tokens - req.num_output, self.max_model_len - req.num_tokens))
         accepted, reason = new_ids[:room], ("length" if len(new_ids) >= room else None)
         if not req.params.ignore_eos and not self.eos_ids.isdisjoint(accepted):
             end = next(i for i, t in enumerate(accepted) if t in self.eos_ids) + 1
             accepted, reason = accepted[:end], "stop"
         return accepted, reason
 
-    def _settle_blocks(self, req: Request) -> None:
-        """After a commit: give back the slots of rejected drafts (not those an in-flight step
-        holds), release sliding blocks the window has left, publish blocks that became full."""
-        sched = self.scheduler
-        keep = max(req.num_tokens, sched.reservation(req, self.decode_rows) if req.decode_inflight else 0)
-        for g, t in req.tables.items():
-            bm = sched.managers[g]
-            if t.num_tokens > keep:
-                bm.truncate(t, keep)
-            # a block freed here and a new one taken later sit in the same column: re-sync from it
-            req.synced[g] = min(req.synced.get(g, 0), len(t.blocks))
-            if g == "sliding":      # (a verify window cut short by a stop computed past the last token)
-                bm.release_outside_window(t, sched.window_kept, min(req.num_computed, req.num_tokens))
-            elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
-                start = bm.published_tokens(t)
-                if req.num_computed - start >= bm.block_size:     # a block became full
-                    bm.commit(t, req.ids(start, req.num_computed), start)
-
     def _finish(self, req: Request, reason: str, new_ids: list[int] = (), delta: str = "",
                 error: str | None = None) -> RequestOutput:
         sched = self.scheduler
-        if req in sched.running:
-            sched.running.remove(req)
-        if req in sched.waiting:
-            sched.waiting.remove(req)
         if reason in ("stop", "length"):        # a follow-up may extend it: keep its sliding-window KV
             sched.save_snapshot(req)
-        sched.free(req)
-        req.status, req.finish_reason, req.finish_time, req.error = Status.FINISHED, reason, time.monotonic(), error
         if self.metrics is not None:
             self.metrics.release(req)
+        sched.finish(req)
+        req.status, req.finish_reason, req.finish_time, req.error = Status.FINISHED, reason, time.monotonic(), error
         if reason in ("abort", "error"):
-            if not (req.stream_text or req.params.stop) and req.detok_read < len(req.output_ids):
+            if not (req.stream_text or req.params.stop) and req.detok_read < req.num_output:
                 # never decoded (text decoded at the finish): decode it now, all of it goes out
                 delta = commit_text(self.tokenizer, req, req.output_ids[req.detok_read:], final=True).delta
             else:                          # decoded step by step: what was held back goes out
                 delta, req.emitted = req.text[req.emitted:], len(req.text)
         return RequestOutput(req.request_id, list(new_ids), delta, True, reason, len(req.prompt_ids),
-                             len(req.output_ids), req.spec.as_dict(), error)
+                             req.num_output, req.spec.as_dict(), error)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op in one process; also runs at exit)."""

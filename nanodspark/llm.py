@@ -11,11 +11,24 @@ from .engine import LLMEngine
 from .request import GenerationOutput, Status
 from .sampling import SamplingParams
 
+
+def build_engine(model_path: str | None, cfg: EngineConfig) -> LLMEngine:
+    """The engine for `cfg`; with tensor parallelism, the process group first (distributed.py):
+    rank 0 gets the engine, a worker rank of a torchrun world serves steps and exits there."""
+    from . import distributed
+    if not distributed.wanted(cfg):
+        return LLMEngine(model_path, cfg)
+    parallel = distributed.Parallel.start(cfg, model_path)      # spawns the workers, or joins torchrun's
+    if parallel.rank != 0:
+        distributed.serve_as_worker(parallel, model_path, cfg)   # never returns
+    return LLMEngine(model_path, cfg, parallel)
+
+
 class LLM:
     """`LLM(model_path, **engine_kwargs).generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
+        self.engine = build_engine(model_path, EngineConfig.from_kwargs(**engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
@@ -37,7 +50,7 @@ class LLM:
         finally:
             if req.status != Status.FINISHED:
                 eng.abort(req.request_id)
-            while eng.loop.pending and not (eng.scheduler.running or eng.scheduler.waiting):
+            while eng.in_flight and not (eng.scheduler.running or eng.scheduler.waiting):
                 eng.step()
             eng.release(req.request_id)
 
@@ -53,7 +66,7 @@ class LLM:
         reqs = [eng.add_request(p, sp, queue_limit=False, stream_text=False) for p, sp in zip(prompts, plist)]
         show = (self.engine.config.use_tqdm if use_tqdm is None else use_tqdm) and len(reqs) > 1
         bar = tqdm(total=len(reqs), desc="generate", disable=not show)
-        while any(r.status != Status.FINISHED for r in reqs) or eng.loop.pending:
+        while any(r.status != Status.FINISHED for r in reqs) or eng.in_flight:
             for out in eng.step():
                 if out.finished:
                     bar.update(1)

@@ -105,7 +105,7 @@ def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", layout=None, tp=None) -> CausalLM:
-    """The whole model; with a `distributed.Layout`, this rank's shard (`load_sharded`)."""
+    """The whole model; with a `sharding.Layout`, this rank's shard (`load_sharded`)."""
     model_dir = resolve_model_dir(path)
     if layout is not None:
         return load_sharded(model_dir, layout, tp, dtype, device)
@@ -146,7 +146,7 @@ def load_sharded(model_dir: Path, layout, tp=None, dtype: torch.dtype = torch.fl
     tensor this rank needs, and `get_slice` reads just those bytes. Tensors of other ranks
     (other experts, another rank's bias) are not opened. `stats` (if given) receives
     `elements_read`, `checkpoint_elements` and `local_elements`."""
-    from .distributed import plan_reads, shard_model
+    from .sharding import plan_reads, shard_model
     cfg = ModelConfig.from_json(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)

@@ -558,7 +558,7 @@ class PagedAttentionContext:
     groups: dict[str, GroupMeta]
     ops: Ops = TORCH_OPS
     causal: bool = True
-    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
+    tp: object = None                   # the tensor-parallel group (sharding.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
@@ -576,7 +576,7 @@ class DenseAttentionContext:
     batch: int
     seq: int
     ops: Ops = TORCH_OPS
-    tp: object = None                   # the tensor-parallel group (distributed.TPGroup); None = one process
+    tp: object = None                   # the tensor-parallel group (sharding.TPGroup); None = one process
 
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         q, k, v = attn.split_norm_rope(qkv, cos, sin)

@@ -14,6 +14,8 @@ that *measures* reads those results after the engine has applied them:
 fully accepted, its remaining drafts are compared with the tokens the target actually committed
 at their positions (exact under greedy decoding), as SGLang's estimator does.
 
+Observers read a step's rows as arrays (step.py `DecodeRows`): no Python per request.
+
 Invariants: observers never change a request or the engine; a request's pending remainder is
 settled at the latest when it finishes (`release`).
 """
@@ -27,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .calibration import OnlineCalibrationMetrics, survival
+from .calibration import OnlineCalibrationMetrics
 from .verify import VerifyMode
 
 DEFAULT_WILSON_Z = 1.96          # z of the Wilson intervals of the ceiling estimator (~95 %)
@@ -35,82 +37,116 @@ DEFAULT_CEILING_RECORDS = 4096   # sliding window of the ceiling estimator, in r
 STEP_TIMES_KEPT = 256            # (predicted, measured) pairs kept for /metrics
 
 
+ECE_EVERY = 16                   # steps between updates of the online ECE histograms
+
+
 class SpecMetrics:
-    def __init__(self, gamma: int, mode: VerifyMode):
-        self.gamma, self.mode = gamma, mode
+    """DSpark's numbers over the engine's life, from each step's decode rows (arrays, no Python
+    per request). `batch` (the running batch, batch.py) is read to settle trimmed compact steps."""
+
+    def __init__(self, gamma: int, mode: VerifyMode, batch=None):
+        self.gamma, self.mode, self.batch = gamma, mode, batch
         self.position_trials = np.zeros(gamma, dtype=np.int64)     # verified drafts at position k
         self.position_accepts = np.zeros(gamma, dtype=np.int64)    # ... of which accepted
         self.online = OnlineCalibrationMetrics(gamma)
+        self._ece: list[tuple] = []                                # updates waiting for the next flush
         self.ceiling = BlockAcceptEstimator(gamma)
-        self.pending: dict[str, tuple] = {}     # request id -> (first position, trimmed drafts, window, accepted)
+        S = batch.num_slots + 1 if batch is not None else 0
+        # a trimmed compact step whose window was fully accepted, by slot: its remaining drafts wait
+        # for the tokens the target commits at their positions (then the record goes in)
+        self.pending = np.zeros(S, dtype=bool)
+        self.p_gen, self.p_pos, self.p_window, self.p_acc = (np.zeros(S, dtype=np.int64) for _ in range(4))
+        self.p_drafts = np.zeros((S, gamma), dtype=np.int64)
         self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
 
     def observe(self, result) -> None:
-        """After the engine applied `result`: count, calibrate and feed the ceiling. One array
-        operation per statistic over the step's requests: at batch 256 a Python loop per request
-        and position was a millisecond of every step (the host is the bound there)."""
-        verify = [c for c in result.commits if c.verify is not None]
-        if not verify or not self.gamma:
+        """After the engine applied `result`: count, calibrate and feed the ceiling, one array
+        operation per statistic over the step's rows."""
+        d = result.decode
+        if d is None or not len(d.slots) or not self.gamma:
             return
-        if self.pending:
-            for c in verify:
-                if c.request.request_id in self.pending:
-                    self._settle(c.request)
-        n, k = len(verify), np.arange(self.gamma)
-        acc = np.fromiter((c.verify.accepted for c in verify), np.int64, n)
-        win = np.fromiter((self.mode.reported_window(c.verify.window, c.verify.verified) for c in verify), np.int64, n)
+        o, k = d.out, np.arange(self.gamma)
+        acc = np.maximum(o.count - 1, 0)
+        win = np.minimum(o.windows, o.verified) if self.mode.trims else o.verified
         accepted = k < acc[:, None]                          # [n, gamma]: the prefix labels
         tried = k < np.minimum(acc + 1, win)[:, None]        # scored, up to the first rejection
         self.position_trials += tried.sum(0)
         self.position_accepts += (tried & accepted).sum(0)
-        plain = self._track_ceiling(verify, win)
+        if self.pending.any():
+            self._settle(self.pending.copy())
+        plain = self._track_ceiling(d, win, acc)
         self.ceiling.record_many(win[plain], acc[plain])
-        conf = torch.from_numpy(np.array([c.verify.conf for c in verify], dtype=np.float32).reshape(n, self.gamma))
-        self.online.update(survival(conf), torch.from_numpy(accepted), torch.from_numpy(k < win[:, None]))
+        surv = np.cumprod(np.clip(np.nan_to_num(o.conf.astype(np.float64)), 0.0, 1.0), axis=1)
+        self._ece.append((surv, accepted, k < win[:, None]))
+        if len(self._ece) >= ECE_EVERY:
+            self._flush_ece()
         self.step_times.append((result.predicted_step_time, result.seconds))
-        for c in verify:            # finished in this very step: nothing later will settle it
-            if c.request.finish_reason is not None:
-                self.release(c.request)
 
-    def _track_ceiling(self, verify, windows) -> np.ndarray:
+    def _flush_ece(self) -> None:
+        if self._ece:
+            surv, lab, valid = (np.concatenate(x) for x in zip(*self._ece))
+            self._ece = []
+            self.online.update(torch.from_numpy(surv), torch.from_numpy(lab), torch.from_numpy(valid))
+
+    def _track_ceiling(self, d, win: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """cap-accept observes the ceiling directly; a trimmed compact step whose window was fully
-        accepted leaves its remaining drafts pending, to be judged against the tokens the target
-        commits at their positions. Returns the mask of the rows left: plain records."""
-        plain = np.ones(len(verify), dtype=bool)
+        accepted leaves its remaining drafts pending. Returns the mask of the rows left: plain records."""
+        plain = np.ones(len(win), dtype=bool)
         if not self.mode.trims:
             return plain
-        for i, c in enumerate(verify):
-            r, v, window = c.request, c.verify, int(windows[i])
-            if v.ceiling is not None and self.mode.reports_ceiling:
-                over = v.ceiling - v.accepted
-                self.ceiling.record(window, v.accepted, [True] * over + [False] * (v.ceiling < v.verified)
-                                    if over >= 0 and v.accepted == window else None)
-                plain[i] = False
-            elif self.mode is VerifyMode.COMPACT and v.accepted == window < self.gamma:
-                # the commit is applied: the first trimmed draft sits where the bonus token went
-                self.pending[r.request_id] = (r.num_computed, v.drafts[window:], window, v.accepted)
-                plain[i] = False
+        o, g = d.out, self.gamma
+        full = acc == win
+        if self.mode.reports_ceiling:
+            over = o.ceiling - acc                      # accepted past the window (a full verify)
+            known = full & (over >= 0)
+            n_rem = np.minimum(over, g - win)           # verdicts past the window, up to gamma
+            run = np.where(known, acc + n_rem, acc)
+            rejected = np.where(known, (o.ceiling < o.verified) & (over < g - win), acc < win)
+            self.ceiling.record_chains(run, rejected, win, acc)
+            return np.zeros(len(win), dtype=bool)
+        if self.batch is not None:
+            rows = np.flatnonzero(full & (win < g))
+            s = d.slots[rows]
+            live = self.batch.live[s] & (self.batch.generation[s] == d.generations[rows])
+            rows, s = rows[live], s[live]
+            self.pending[s] = True
+            self.p_gen[s], self.p_window[s], self.p_acc[s] = d.generations[rows], win[rows], acc[rows]
+            self.p_pos[s] = self.batch.num_computed[s]   # the bonus token's position: the first trimmed draft's
+            self.p_drafts[s] = o.drafts[rows]
+            plain[rows] = False
         return plain
 
-    def _settle(self, r, final: bool = False) -> None:
-        pos0, drafts, window, accepted = self.pending[r.request_id]
-        later, verdicts = r.ids(pos0, pos0 + len(drafts)), []     # the tokens committed since
-        for j, d in enumerate(drafts):
-            if j >= len(later):
-                break
-            verdicts.append(later[j] == d)
-            if not verdicts[-1]:
-                break
-        if final or len(verdicts) == len(drafts) or (verdicts and not verdicts[-1]):
-            del self.pending[r.request_id]
-            self.ceiling.record(window, accepted, verdicts)
+    def _settle(self, mask: np.ndarray, final: bool = False) -> None:
+        """Judge pending drafts against the tokens committed since, for the slots in `mask`."""
+        b, g = self.batch, self.gamma
+        s = np.flatnonzero(mask)
+        gone = ~b.live[s] | (b.generation[s] != self.p_gen[s])
+        w = self.p_window[s]
+        out_at = self.p_pos[s] - b.prompt_len[s]                    # output index of the first trimmed draft
+        avail = np.where(gone, 0, np.clip(b.out_len[s] - out_at, 0, g))
+        j = np.arange(g)
+        cols = np.clip(out_at[:, None] + j[None, :], 0, b.out.shape[1] - 1)
+        later = b.out[s[:, None], cols]
+        drafts = np.take_along_axis(self.p_drafts[s], np.minimum(w[:, None] + j[None, :], g - 1), axis=1)
+        valid = j[None, :] < np.minimum(avail, g - w)[:, None]
+        match = (later == drafts) & valid
+        run = np.cumprod(match, axis=1).sum(1)
+        rejected = run < np.minimum(avail, g - w)                   # a mismatch was seen
+        done = final | gone | rejected | (avail >= g - w)
+        if done.any():
+            self.ceiling.record_chains(w[done] + run[done], rejected[done], w[done], self.p_acc[s][done])
+            self.pending[s[done]] = False
 
     def release(self, r) -> None:
-        if r.request_id in self.pending:
-            self._settle(r, final=True)
+        """`r` finishes: settle its pending drafts with what it committed."""
+        if self.batch is not None and 0 <= r.slot < len(self.pending) and self.pending[r.slot]:
+            mask = np.zeros(len(self.pending), dtype=bool)
+            mask[r.slot] = True
+            self._settle(mask, final=True)
 
     def summary(self) -> dict:
         """Engine-level DSpark metrics (the server exports these on /metrics)."""
+        self._flush_ece()
         pred = [p for p, _ in self.step_times if p == p]
         meas = [m for p, m in self.step_times if p == p]
         est = self.ceiling.estimate()
@@ -134,10 +170,13 @@ class CalibrationRecorder:
         self.records: list[tuple[torch.Tensor, int, int, str]] = []
 
     def observe(self, result) -> None:
-        for c in result.commits:
-            if c.verify is not None:
-                self.records.append((torch.tensor(c.verify.conf_logits), c.verify.accepted, c.verify.verified,
-                                     c.request.request_id))
+        d = result.decode
+        if d is None:
+            return
+        o = d.out
+        for i, req in enumerate(d.requests.tolist()):
+            self.records.append((torch.from_numpy(o.conf_logits[i].copy()), int(max(o.count[i] - 1, 0)),
+                                 int(o.verified[i]), req.request_id))
 
 
 # ----------------------------------------------------------------------------- the ceiling
@@ -244,6 +283,14 @@ class BlockAcceptEstimator:
         chain = self._chain(window, accepted, remainder)
         run = chain.index(False) if False in chain else len(chain)
         self._push(np.array([[run, len(chain) - run, window, accepted]], dtype=np.int64))
+
+    def record_chains(self, runs, rejected, windows, accepted) -> None:
+        """Records given as their chains: `runs` accepted verdicts then, where `rejected`, one
+        rejection (the array form of `record` with a remainder)."""
+        r = np.asarray(runs, dtype=np.int64)
+        if len(r):
+            self._push(np.stack([r, np.asarray(rejected, dtype=np.int64), np.asarray(windows, dtype=np.int64),
+                                 np.asarray(accepted, dtype=np.int64)], axis=1))
 
     def record_many(self, windows, accepted) -> None:
         """`record(w, a)` for each pair, without remainders, in one array operation."""

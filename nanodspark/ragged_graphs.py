@@ -18,7 +18,7 @@ nothing inside may read a device value on the host. So:
   (`slots * (1 + gamma)`); a trimming verify mode adds smaller token tiers
   (`graph_token_fractions`), so a trimmed step replays a genuinely smaller graph.
 * **Static inputs.** One flat int64 buffer holds every input of every tier (slots, valid,
-  window caps, budget, trim flag, accept cap); a step writes it with one host-to-device copy.
+  window caps, budget, trim flag); a step writes it with one host-to-device copy.
   Everything else a step reads is the device state (device_state.py), also at fixed addresses.
 * **Packing on the device.** The per-request verify lengths are chosen on the device (from the
   drafts' confidences), so `cu_seqlens`, positions, slot mappings and logit rows are derived
@@ -99,43 +99,44 @@ def pick_tier(tiers: list[tuple[int, int]], requests: int, tokens: int) -> tuple
 
 class StaticInputs:
     """The flat int64 input buffer of every tier: [slots | valid | window_cap] (max_slots each),
-    then budget, trim, accept_cap."""
+    then budget and trim; `batch(slots)` views it as a tier's `DecodeBatch` (speculative.py; the
+    class is handed in, `make`, so that this file does not import the step it replays)."""
 
-    def __init__(self, max_slots: int, device):
-        self.max_slots, self.device = max_slots, device
-        self.buf = torch.zeros(3 * max_slots + 3, dtype=torch.long, device=device)
+    def __init__(self, max_slots: int, device, make):
+        self.max_slots, self.device, self.make = max_slots, device, make
+        self.buf = torch.zeros(3 * max_slots + 2, dtype=torch.long, device=device)
         pin = torch.device(device).type == "cuda"
         # Two host copies, used in turn: while step n+1 is written, step n's copy may still be
         # queued behind step n-1 on the stream (the overlapped loop), so it needs its own.
-        self.hosts = [torch.zeros(3 * max_slots + 3, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.hosts = [torch.zeros(3 * max_slots + 2, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.turn = 0
 
-    def views(self, slots: int):
-        """(slots, valid, window_cap, budget, trim, accept_cap) views for a tier of `slots` rows."""
+    def batch(self, slots: int):
+        """The `DecodeBatch` of a tier of `slots` rows: views of the device buffer."""
         M, b = self.max_slots, self.buf
-        return (b[:slots], b[M:M + slots], b[2 * M:2 * M + slots], b[3 * M], b[3 * M + 1], b[3 * M + 2])
+        return self.make(b[:slots], b[M:M + slots], b[2 * M:2 * M + slots], b[3 * M], b[3 * M + 1])
 
-    def write(self, slots: list[int], scratch: int, tier_slots: int, window_cap: list[int], budget: int,
-              trim: bool, accept_cap: int) -> None:
-        """Fill a host copy (padding rows: the scratch slot, invalid) and send it in one copy.
-        A host copy is reused two steps later, after the step that used it has been read (at
-        most one step is in flight), so its copy has run."""
+    def write(self, slots, scratch: int, tier_slots: int, window_cap, gamma: int, budget: int, trim: bool) -> None:
+        """Fill a host copy (padding rows: the scratch slot, invalid; window_cap None: gamma for
+        every row) and send it in one copy. A host copy is reused two steps later, after the step
+        that used it has been read (at most one step is in flight), so its copy has run."""
         self.turn ^= 1
-        M, h, R = self.max_slots, self.hosts[self.turn], len(slots)
-        h[:R] = torch.tensor(slots)
+        M, R = self.max_slots, len(slots)
+        h = self.hosts[self.turn].numpy()
+        h[:R] = slots
         h[R:tier_slots] = scratch
         h[M:M + tier_slots] = 0
         h[M:M + R] = 1
-        h[2 * M:2 * M + R] = torch.tensor(window_cap)
-        h[3 * M], h[3 * M + 1], h[3 * M + 2] = budget, int(trim), accept_cap
-        self.buf.copy_(h, non_blocking=True)
+        h[2 * M:2 * M + R] = gamma if window_cap is None else window_cap
+        h[3 * M], h[3 * M + 1] = budget, int(trim)
+        self.buf.copy_(self.hosts[self.turn], non_blocking=True)
 
 
 class RaggedGraphs:
     """Captures the decode step per (tier, variant) and replays it.
 
-    `step_fn(views, tokens, greedy_only, truncates) -> (ints, floats)` is the decode step on the
-    static views, returning its packed outputs; the variant (greedy_only, truncates) selects
+    `step_fn(batch, tokens, greedy_only, truncates) -> (ints, floats)` is the decode step on the
+    static inputs' `DecodeBatch`, returning its packed outputs (`DecodeOut.pack`); the variant (greedy_only, truncates) selects
     the sampling code the graph holds (argmax only; full sampling; with the top-k/top-p sort)."""
 
     def __init__(self, step_fn, inputs: StaticInputs, tiers: list[tuple[int, int]], device, use_graphs: bool,
@@ -177,23 +178,23 @@ class RaggedGraphs:
         the shapes a decode step uses, e.g. to tune its GEMMs before capture)."""
         for tier in self.tiers:
             for v in variants:
-                self.inputs.write([], self.scratch, tier[0], [], 0, False, 0)
-                self.step_fn(self.inputs.views(tier[0]), tier[1], *v)
+                self.inputs.write([], self.scratch, tier[0], None, 0, 0, False)
+                self.step_fn(self.inputs.batch(tier[0]), tier[1], *v)
 
     def _capture(self, tier, variant) -> None:
         slots, tokens = tier
-        views = self.inputs.views(slots)
+        batch = self.inputs.batch(slots)
         # Run the step on the padded scratch inputs first: compiles every Triton kernel and
         # settles the allocator; the padding row is invalid, so nothing is written.
-        self.inputs.write([], self.scratch, slots, [], 0, False, 0)
+        self.inputs.write([], self.scratch, slots, None, 0, 0, False)
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            self.step_fn(views, tokens, *variant)
+            self.step_fn(batch, tokens, *variant)
         torch.cuda.current_stream(self.device).wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = self.step_fn(views, tokens, *variant)
+            out = self.step_fn(batch, tokens, *variant)
         self.graphs[(tier, variant)] = (g, out)
 
     def captured(self, tier, variant) -> bool:
@@ -205,4 +206,4 @@ class RaggedGraphs:
         if entry is not None:
             entry[0].replay()
             return entry[1]
-        return self.step_fn(self.inputs.views(tier[0]), tier[1], *variant)
+        return self.step_fn(self.inputs.batch(tier[0]), tier[1], *variant)

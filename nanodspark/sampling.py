@@ -13,10 +13,12 @@ independent uniforms. Three consequences:
 
 * no generator state: a row's token does not depend on the batch, on padding, on CUDA-graph
   replay or on when the host looks at it — which is what lets sampling run inside a captured
-  graph and an overlapped loop (ragged_graphs.py, overlap_loop.py);
+  graph and an overlapped loop (ragged_graphs.py, engine.py `step`);
 * recompute after preemption draws the same tokens;
 * streams keep independent draws apart: the drafter, the acceptance test, the residual and the
-  target's own sample at one position use different streams (verify.py).
+  target's own sample at one position use different streams (verify.py); the speculative
+  streams are also keyed by the verify step's anchor, so a position proposed again by a later
+  step is drawn afresh (the target's own stream is not: it is what target-only decoding draws).
 
 `target_probs` turns logits into the distribution that is actually sampled (and that
 speculative verification must preserve): with temperature 0 it is one-hot on the argmax, so
@@ -84,12 +86,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def noise_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """One 32-bit key per row from (seed, position, stream): int64 [N]."""
+def noise_key(seed: torch.Tensor, position: torch.Tensor, stream: int,
+              attempt: torch.Tensor | None = None) -> torch.Tensor:
+    """One 32-bit key per row from (seed, position, stream[, attempt]): int64 [N]. `attempt`
+    (the anchor's position of a verify step) makes a speculative draw at a position fresh each
+    time a step proposes that position again (verify.py says why that matters)."""
     seed = seed.long()
     lo, hi = seed & _M32, (seed >> 32) & _M32
     k = _mix32(_mix32(lo) ^ hi)
     k = _mix32(k ^ (position.long() & _M32))
+    if attempt is not None:
+        k = _mix32(k ^ ((attempt.long() * 0x165667B1) & _M32))
     return _mix32(k ^ (stream * 0x27D4EB2F))
 
 
@@ -98,17 +105,18 @@ def _to_uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def uniforms(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+def uniforms(seed: torch.Tensor, position: torch.Tensor, stream: int,
+             attempt: torch.Tensor | None = None) -> torch.Tensor:
     """One uniform per row [N]."""
-    return _to_uniform(_mix32(noise_key(seed, position, stream)))
+    return _to_uniform(_mix32(noise_key(seed, position, stream, attempt)))
 
 
 def gumbel_argmax(log_weights: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-                  stream: int) -> torch.Tensor:
-    """argmax_v (log_weights[n, v] + G(seed[n], position[n], stream, v)) -> int64 [N]: a sample
-    of softmax(log_weights[n]) (rows may hold -inf; a row that is all -inf returns 0)."""
+                  stream: int, attempt: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax_v (log_weights[n, v] + G(seed[n], position[n], stream[, attempt], v)) -> int64 [N]:
+    a sample of softmax(log_weights[n]) (rows may hold -inf; a row that is all -inf returns 0)."""
     N, V = log_weights.shape
-    key = noise_key(seed, position, stream)
+    key = noise_key(seed, position, stream, attempt)
     v = (torch.arange(V, device=log_weights.device, dtype=torch.long) * 0x61C88647) & _M32
     u = _to_uniform(_mix32(_mix32(key[:, None] ^ v[None, :])))
     return (log_weights.float() - torch.log(-torch.log(u))).argmax(-1)

@@ -17,7 +17,7 @@ Block bookkeeping over all KV groups is atomic: `_allocate` and `_grow` either s
 group or undo what they did and raise `NoFreeBlocks`. An admitted request also gets a slot of
 the device state (`SlotPool`), given back when it is freed or preempted.
 
-A request with a step in flight (overlap_loop.py) reserves KV for that step *and* the next:
+A request with a step in flight (engine.py `step`) reserves KV for that step *and* the next:
 the host does not know yet how far the one in flight will go. It cannot be preempted until
 that step is read: `schedule` raises `Drain` and the loop reads it first.
 
@@ -32,7 +32,11 @@ chapter 13 (SWA replay and snapshots).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
+import numpy as np
+
+from .batch import RunningBatch
 from .config import EngineConfig, ModelConfig
 from .paged_kv import BlockManager, BlockTable, NoFreeBlocks
 from .request import Request, Status
@@ -43,43 +47,43 @@ class Drain(Exception):
     """Scheduling must preempt a request whose step is still in flight: read it first."""
 
 
-class SlotPool:
-    """Rows of the device state, one per admitted request; a generation id per hand-out."""
-
-    def __init__(self, n: int):
-        self.free = list(range(n))[::-1]
-        self.generation = [0] * n
-
-    def take(self, req: Request) -> None:
-        s = self.free.pop()
-        self.generation[s] += 1
-        req.slot, req.generation, req.synced, req.device_anchor = s, self.generation[s], {}, False
-
-    def give(self, req: Request) -> None:
-        if req.slot >= 0:
-            self.free.append(req.slot)
-        req.slot, req.synced = -1, {}
-
-
 class Scheduler:
     """Admission, chunked prefill, preemption. Owns the queues and the block managers."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, managers: dict[str, BlockManager],
-                 look_back: int = 0):
+                 look_back: int = 0, batch: RunningBatch | None = None):
         """look_back: rows a decoding request may write past its frontier and take back
-        (`swa_replay.look_back`), for `swa_replay_tokens="auto"`."""
+        (`swa_replay.look_back`), for `swa_replay_tokens="auto"`. batch: the running requests'
+        host arrays (batch.py; the engine's, or one of the scheduler's own)."""
         self.cfg, self.model_cfg, self.managers = cfg, model_cfg, managers
+        self.batch = batch if batch is not None else RunningBatch(cfg.max_num_seqs)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[Request, None] = {}           # admission order (a dict: O(1) removal)
+        self.prefilling: dict[Request, None] = {}        # running requests not decoding yet
+        self.changed: set[Request] = set()               # tables grown since the engine last synced them
         self.n_sliding = model_cfg.layer_types.count("sliding_attention")
         self.window = model_cfg.sliding_window
         self.replay_keep = replay_tokens(cfg.swa_replay_tokens, self.window, self.n_sliding, look_back)
-        self.slots = SlotPool(cfg.max_num_seqs)
         sliding = managers.get("sliding") if "full" in managers and cfg.enable_prefix_cache else None
         self.snapshots = SnapshotPool(sliding, self.window, cfg.swa_snapshots, cfg.swa_snapshot_ttl_s)
         # With snapshots, a sliding table keeps one more block than the window needs: a snapshot
         # is cut at a block boundary up to block_size - 1 positions before the frontier.
         self.window_kept = self.window + (cfg.block_size if self.snapshots.capacity else 0)
+
+    # -- requests in and out ----------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """`req` leaves for good: out of the queues, its blocks and slot given back."""
+        self.running.pop(req, None)
+        self.prefilling.pop(req, None)
+        if req.status == Status.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.free(req)
 
     # -- block bookkeeping, over all KV groups ----------------------------------------------
     def _allocate(self, req: Request) -> tuple[int, Snapshot] | None:
@@ -146,6 +150,10 @@ class Scheduler:
         return self.snapshots.save(full.last_hash, self.managers["full"].published_tokens(full), sliding)
 
     def _grow(self, req: Request, num_tokens: int) -> None:
+        """Reserve positions < num_tokens in every group, rounded up to whole blocks: a request
+        then needs the scheduler again only when its next rows cross a block boundary."""
+        bs = self.cfg.block_size
+        num_tokens = -(-num_tokens // bs) * bs
         done = []
         try:
             for g, bm in self.managers.items():
@@ -164,22 +172,38 @@ class Scheduler:
         for g, t in req.tables.items():
             self.managers[g].free(t)
         req.tables = {}
-        self.slots.give(req)
+        self.changed.discard(req)
+        self.batch.detach(req)
 
     def preempt(self, req: Request) -> None:
         if req.inflight:
             raise Drain(req.request_id)
         self.free(req)
-        self.running.remove(req)
+        self.running.pop(req)
+        self.prefilling.pop(req, None)
         req.status, req.num_computed = Status.WAITING, 0
         self.waiting.appendleft(req)
 
+    def settle(self, req: Request, old_computed: int) -> None:
+        """After a commit moved `req` from `old_computed` across a block boundary: release the
+        sliding blocks the window has left, publish the blocks that became full."""
+        bs = self.cfg.block_size
+        for g, t in req.tables.items():
+            bm = self.managers[g]
+            if g == "sliding":
+                bm.release_outside_window(t, self.window_kept, min(req.num_computed, req.num_tokens))
+            elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
+                start = bm.published_tokens(t)
+                if req.num_computed - start >= bs:
+                    bm.commit(t, req.ids(start, req.num_computed), start)
+
     # -- one step ---------------------------------------------------------------------------
     @staticmethod
-    def _rows(req: Request, decode_rows: int, budget: int) -> int:
-        """Rows a request computes this step: a whole verify window when it is decoding (only its
-        last token lacks KV), else the next prefill chunk that fits the token budget."""
-        return decode_rows if req.is_decoding else min(req.num_tokens - req.num_computed, budget)
+    def prefill_end(req: Request) -> int:
+        """Where a request's prefill stops: the end of its prompt, whose last row samples the first
+        token; after a preemption, one short of its last token, which becomes the anchor of a verify
+        step as it would have without the preemption (so recompute draws what it would have)."""
+        return req.num_tokens - 1 if req.num_output else req.num_tokens
 
     @staticmethod
     def reservation(req: Request, rows: int) -> int:
@@ -190,43 +214,50 @@ class Scheduler:
             return req.num_computed + rows
         return min(req.num_computed + rows * (1 + req.decode_inflight), req.limit_len - 1)
 
-    def schedule(self, decode_rows: int = 1) -> list[tuple[Request, int]]:
-        """(request, rows) pairs for this step. A decoding request reserves `decode_rows` slots
-        (1, or 1 + gamma when the step verifies drafts)."""
-        budget = self.cfg.max_num_batched_tokens
+    def schedule(self, decode_rows: int = 1) -> "Schedule":
+        """This step's work, in three passes: every decoding request computes a verify window of
+        `decode_rows` rows (all at once, on arrays); running requests still prefilling get the
+        next chunk of the token budget that is left; waiting requests are admitted, in order,
+        while slots, blocks and budget last."""
+        b, budget = self.batch, self.cfg.max_num_batched_tokens
         self.snapshots.expire()
-        plan: list[tuple[Request, int]] = []
-        preempted = set()     # left `running` in this loop (a set: `in running` is O(n) per request)
-        for req in list(self.running):
-            if req in preempted or budget <= 0:
+        out = Schedule()
+        for req in [r for r in self.prefilling if r.is_decoding]:     # its prompt is computed
+            del self.prefilling[req]
+            b.decoding[req.slot] = True
+            out.joined.append(req)
+        # 1. decoding requests: a window each; Python only for those that cross a KV block
+        dec = np.flatnonzero(b.decoding)[:max(budget, 0) // decode_rows]
+        need = np.minimum(b.num_computed[dec] + decode_rows * (1 + b.decode_inflight[dec]), b.limit_len[dec] - 1)
+        for s in dec[need > b.reserved[dec]].tolist():
+            req = b.req[s]
+            if b.live[s]:                                  # (a preemption below may have taken it)
+                self._reserve(req, self.reservation(req, decode_rows), out)
+        dec = dec[b.live[dec] & b.decoding[dec]]          # without the preempted
+        out.decode = list(dec)
+        budget -= decode_rows * len(dec)
+        # 2. running requests still prefilling: the next chunk
+        for req in list(self.prefilling):
+            if budget <= 0:
+                break
+            if req not in self.prefilling:                 # preempted for another in this loop
                 continue
-            rows = self._rows(req, decode_rows, budget)
-            if rows > budget:  # a verify window does not fit the token budget: wait a step
-                continue
-            while True:
-                try:
-                    self._grow(req, self.reservation(req, rows))
-                    break
-                except NoFreeBlocks:
-                    victim = self.running[-1]
-                    self.preempt(victim)
-                    preempted.add(victim)
-                    plan = [(r, n) for r, n in plan if r is not victim]
-                    if victim is req:
-                        break
-            if req not in preempted:
-                plan.append((req, rows))
+            rows = min(self.prefill_end(req) - req.num_computed, budget)
+            if self._reserve(req, self.reservation(req, rows), out):
+                out.prefill.append((req, rows))
                 budget -= rows
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # 3. admission
+        while self.waiting and budget > 0 and b.num_free > 0:
             req = self.waiting[0]
             try:
                 taken = self._allocate(req)
             except NoFreeBlocks:
                 break
-            self.slots.take(req)
+            b.attach(req)
             # A prefix hit can leave only the last token to compute: then the request decodes in
             # this very step and needs slots for a whole verify window, not only for its tokens.
-            rows = self._rows(req, decode_rows, budget)
+            decoding = req.is_decoding
+            rows = decode_rows if decoding else min(self.prefill_end(req) - req.num_computed, budget)
             fits = rows <= budget
             if fits:
                 try:
@@ -238,7 +269,48 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            self.running.append(req)
-            plan.append((req, rows))
+            self.running[req] = None
+            self.changed.add(req)
+            b.reserved[req.slot] = self._reserved(req)
+            if decoding:
+                b.decoding[req.slot] = True
+                out.decode.append(req.slot)
+                out.joined.append(req)
+            else:
+                self.prefilling[req] = None
+                out.prefill.append((req, rows))
             budget -= rows
-        return plan
+        out.decode = np.asarray(out.decode, dtype=np.int64)
+        return out
+
+    def _reserve(self, req: Request, need: int, out: "Schedule") -> bool:
+        """Grow `req`'s tables to `need` positions, preempting the most recently admitted requests
+        while blocks lack. False if `req` itself had to go."""
+        while True:
+            try:
+                self._grow(req, need)
+                break
+            except NoFreeBlocks:
+                victim = next(reversed(self.running))
+                self.preempt(victim)
+                out.prefill = [(r, n) for r, n in out.prefill if r is not victim]
+                if victim is req:
+                    return False
+        self.changed.add(req)
+        self.batch.reserved[req.slot] = self._reserved(req)
+        return True
+
+    @staticmethod
+    def _reserved(req: Request) -> int:
+        return min((t.num_tokens for t in req.tables.values()), default=0)
+
+
+@dataclass
+class Schedule:
+    """What one step computes: decoding slots (a verify window each) and prefill chunks."""
+    decode: np.ndarray | list = field(default_factory=list)       # slots, int64
+    prefill: list[tuple[Request, int]] = field(default_factory=list)   # (request, rows)
+    joined: list[Request] = field(default_factory=list)        # became decoding in this schedule
+
+    def __bool__(self) -> bool:
+        return bool(len(self.decode) or self.prefill)

@@ -12,7 +12,7 @@ the host once and applies it. Plain decoding is the same step with gamma = 0 and
 
 Because nothing in here reads a device value on the host, the whole step can be captured in a
 CUDA graph (ragged_graphs.py) and the next step can be launched before this one's result has
-reached the host (overlap_loop.py).
+reached the host (engine.py `step`).
 
 Invariants: a request's `seq_len` advances by exactly the rows whose KV is now valid (anchor +
 accepted drafts); the drafter's context covers exactly the committed positions; a window never
@@ -21,7 +21,10 @@ lets a request run past its limit (`limit_len`: max_tokens or max_model_len); a 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -37,29 +40,51 @@ from .verify import VerifyMode, verify_batch
 class DecodeBatch:
     """Inputs of one decode step over R request slots (static shapes: graph buffers)."""
     slots: torch.Tensor        # int64 [R]: device-state row per request (padding: the scratch slot)
-    valid: torch.Tensor        # bool [R]
-    budget: torch.Tensor       # int64 []: draft tokens the target verifies when trimming
-    trim: torch.Tensor         # bool []: choose windows by survival under `budget` (else full blocks)
+    valid: torch.Tensor        # int64 [R]: 1 for a request, 0 for padding
     window_cap: torch.Tensor   # int64 [R]: most drafts per request (a forced window; gamma otherwise)
-    accept_cap: torch.Tensor   # int64 []: most drafts accepted per request (profiling; gamma otherwise)
+    budget: torch.Tensor       # int64 []: draft tokens the target verifies when trimming
+    trim: torch.Tensor         # int64 []: 1 = choose windows by survival under `budget` (else full blocks)
 
 
 @dataclass
 class DecodeOut:
-    """What one decode step did, per request slot of the batch (device tensors)."""
+    """What one decode step did, per request slot of the batch (device tensors; on the host, after
+    `unpack`, numpy arrays)."""
     tokens: torch.Tensor       # int64 [R, gamma + 1]: committed tokens are tokens[r, :count[r]]
     drafts: torch.Tensor       # int64 [R, gamma]: the proposed drafts (the ceiling estimator settles trimmed ones)
     count: torch.Tensor        # int64 [R]: tokens committed (accepted + 1; 0 for padding)
     windows: torch.Tensor      # int64 [R]: the window chosen (before the limit clamp)
     verified: torch.Tensor     # int64 [R]: drafts the target scored
     ceiling: torch.Tensor      # int64 [R]: drafts a full-block verify accepted (cap-accept)
+    finite: torch.Tensor       # int64 [R]: 1 if every logit row of the request was finite
     conf: torch.Tensor         # float32 [R, gamma]: calibrated conditional confidences
     conf_logits: torch.Tensor  # float32 [R, gamma]: raw confidence logits (calibration records)
-    finite: torch.Tensor       # int64 [R]: 1 if every logit row of the request was finite
 
-    def fields(self) -> list[torch.Tensor]:
-        return [self.tokens, self.drafts, self.count, self.windows, self.verified, self.ceiling, self.conf,
-                self.conf_logits, self.finite]
+    INTS = 7                   # the first seven fields are integers
+
+    def fields(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One int64 and one float32 tensor: two device-to-host copies instead of nine."""
+        f = self.fields()
+        return (torch.cat([t.reshape(-1) for t in f[:self.INTS]]), torch.cat([t.reshape(-1) for t in f[self.INTS:]]))
+
+    @classmethod
+    def unpack(cls, ints: torch.Tensor, floats: torch.Tensor, gamma: int) -> "DecodeOut":
+        """`pack`'s inverse on the host: numpy views of the two copies."""
+        i, f = ints.numpy(), floats.numpy()
+        R = len(i) // (2 * gamma + 6)
+        sizes = [R * (gamma + 1), R * gamma, R, R, R, R, R]
+        shapes = [(R, gamma + 1), (R, gamma), (R,), (R,), (R,), (R,), (R,)]
+        parts = np.split(i, np.cumsum(sizes)[:-1])
+        conf, logits = np.split(f, 2) if gamma else (f[:0], f[:0])
+        return cls(*(a.reshape(sh) for a, sh in zip(parts, shapes)), conf.reshape(R, gamma),
+                   logits.reshape(R, gamma))
+
+    def head(self, n: int) -> "DecodeOut":
+        """The first n rows (the requests of a padded tier)."""
+        return DecodeOut(*(x[:n] for x in self.fields()))
 
 
 def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, trim: torch.Tensor,
@@ -88,7 +113,6 @@ class SpecStep:
         self.mode, self.drafter, self.draft_cache = mode, drafter, draft_cache
         self.gamma = drafter.config.gamma if drafter is not None else 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        self.propose_override = None    # tests: fn(slots, anchors, anchor_pos) -> Draft (eager only)
         self.coupled = False            # coupled drafts and verification (verify.verify_batch)
 
     @torch.inference_mode()
@@ -97,24 +121,20 @@ class SpecStep:
         dev = b.slots.device
         anchors, anchor_pos = st.last_token[b.slots], st.seq_len[b.slots]
         room = st.limit_len[b.slots] - anchor_pos - 2           # drafts that fit before the limit
-        active = b.valid & (room >= 0)
+        active = (b.valid != 0) & (room >= 0)        # (computed here, inside the graph: the inputs are views)
         samp = None if greedy_only else st.sampling(b.slots, truncates)
         # draft
         if self.drafter is None:
             drafts = torch.zeros(R, 0, dtype=torch.long, device=dev)
             draft_probs, conf, conf_logits = None, torch.zeros(R, 0, device=dev), torch.zeros(R, 0, device=dev)
         else:
-            if self.propose_override is not None:
-                d = self.propose_override(b.slots, anchors, anchor_pos)
-            else:
-                d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
-                                         self.block_size, samp, self.ops,
-                                         STREAM_TARGET if self.coupled else STREAM_DRAFT)
+            d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
+                                     self.block_size, samp, self.ops, STREAM_TARGET if self.coupled else STREAM_DRAFT)
             drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
         # choose windows
-        windows = choose_windows(conf, active, b.budget, b.trim, b.window_cap)
+        windows = choose_windows(conf, active, b.budget, b.trim != 0, b.window_cap)
         verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
-        cap = torch.minimum(torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified), b.accept_cap)
+        cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
         rows = torch.where(active, 1 + verified, 0)
         # verify: one ragged forward of [anchor, d_1 .. d_verified] per request
         lay = pack_rows(rows, tokens_tier)
@@ -148,4 +168,4 @@ class SpecStep:
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
             slot = row_slots(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
             self.drafter.inject(out.captured, pos, torch.where(committed, slot, -1), self.draft_cache, self.ops)
-        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, conf, conf_logits, finite)
+        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, conf, conf_logits)

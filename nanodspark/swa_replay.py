@@ -31,7 +31,7 @@ sliding layers' features) and, in an interleaved layout, the full KV keep some o
 
 The look-back is what the engine may write past a request's committed frontier and then take
 back: a verify window is the anchor + gamma drafts (`1 + gamma` rows), and with the overlapped
-loop (overlap_loop.py) a second window is launched before the first is read, so
+step (engine.py) a second window is launched before the first is read, so
 `look_back = (1 + gamma) * windows`, windows = 1 or 2 (`Scheduler.reservation` reserves that). An
 engine that keeps sliding KV in a ring of slots must hold `W + look_back` of them, or a rejected
 draft overwrites a key the next query still reads; the bounded suffix is that ring's content.

@@ -20,6 +20,13 @@ Verify modes, given a per-request window `w <= gamma`:
 `cap-accept` verifies the whole block (the cost of static) but commits at most what compact
 would, and reports the untrimmed acceptance as the `ceiling`.
 
+Fresh noise for every attempt. A budget is sized from confidences `lag` steps old
+(cost_scheduler.py), which came from drafts of positions this step may propose again. Keyed by
+position alone, an old draft and the new one at the same position would share their noise, so
+the budget -- and with it the window that admits the new draft -- would depend on that draft,
+which losslessness forbids. The speculative streams (draft, accept, residual) are therefore keyed
+by the position *and* the step's anchor; only the target's own stream is keyed by position alone.
+
 The engine verifies a whole batch at once on the device (`verify_batch`, with keyed noise,
 sampling.py); `verify_greedy` / `verify_block` / `accept_sampling` are the same rules for one
 request on host values, the textbook form the tests check against. What a full-block verify
@@ -70,6 +77,11 @@ class VerifyMode(Enum):
     @property
     def trims(self) -> bool:
         return self is not VerifyMode.STATIC
+
+    @property
+    def verifies_window(self) -> bool:
+        """Does the target score only the window (so a trimmed step has fewer verify rows)?"""
+        return self is VerifyMode.COMPACT
 
     @property
     def reports_ceiling(self) -> bool:
@@ -182,8 +194,8 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
 
     Greedy rows accept draft k while it equals the target's argmax. Sampled rows accept draft k
     with probability min(1, P/Q), testing u < P(d)/Q(d) with a keyed uniform (stream ACCEPT at
-    the draft's position); the first rejection inside the cap resamples from norm(max(0, P - Q))
-    (stream RESIDUAL), and otherwise the next token is the target's own sample at the cap
+    the draft's position and the anchor's); the first rejection inside the cap resamples from
+    norm(max(0, P - Q)) (stream RESIDUAL, keyed the same way), and otherwise the next token is the target's own sample at the cap
     (stream TARGET, exactly what target-only decoding would draw from P there).
 
     Coupled (`coupled=True`, the drafts drawn with the TARGET stream's noise): the target's own
@@ -225,7 +237,8 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
     if probs is not None and g > 0:
         pd = probs[:, :g].gather(2, drafts[:, :, None])[..., 0]
         qd = draft_probs.gather(2, drafts[:, :, None])[..., 0]
-        u = uniforms(st.seed[:, None].expand(R, g).reshape(-1), pos[:, :g].reshape(-1), STREAM_ACCEPT).view(R, g)
+        u = uniforms(st.seed[:, None].expand(R, g).reshape(-1), pos[:, :g].reshape(-1), STREAM_ACCEPT,
+                     anchor_pos[:, None].expand(R, g).reshape(-1)).view(R, g)
         sampled_ok = (u * qd < pd) & in_window                             # u < p/q without dividing
         ok = torch.where((st.temperature < GREEDY_BELOW)[:, None], ok, sampled_ok)
     m_full = ok.long().cumprod(1).sum(1)                                   # leading run of acceptances
@@ -241,7 +254,7 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
             residual = (p_m - q_m).clamp_min(0)
             rejected = m_full < cap                                       # rejection inside the cap
             dist = torch.where((rejected & (residual.sum(-1) > 0))[:, None], residual, p_m)
-            res_tok = gumbel_argmax(torch.log(dist), st.seed, p_next, STREAM_RESIDUAL)
+            res_tok = gumbel_argmax(torch.log(dist), st.seed, p_next, STREAM_RESIDUAL, anchor_pos)
             drawn = torch.where(rejected, res_tok, drawn)
         nxt = torch.where(st.temperature < GREEDY_BELOW, nxt, drawn)
     # END STUDENT verify

@@ -122,7 +122,7 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
         assert sum(r.spec.accepted for r in running) == 0      # no draft committed: acceptance held fixed
     run.close()
     # host time per phase of each batch size's steps (prefill excluded): what the table measured
-    assert set(run.phases) == {3, 1} and all({"schedule", "launch", "wait", "commit"} <= set(p)
+    assert set(run.phases) == {3, 1} and all({"schedule", "launch", "result", "commit"} <= set(p)
                                              for p in run.phases.values())
     assert not eng.has_unfinished() and eng.windows is policy
     assert all(u["used"] == 0 for u in eng.kv_usage().values())

@@ -19,7 +19,8 @@ import torch
 
 from conftest import make_hf_model, random_drafter
 from nanodspark import LLM, SamplingParams
-from nanodspark.distributed import Layout, WorkerLost
+from nanodspark.distributed import WorkerLost
+from nanodspark.sharding import Layout
 from nanodspark.loader import load_model, load_sharded
 from nanodspark.model import DenseAttentionContext
 
@@ -98,7 +99,7 @@ def _tp_logits(rank, world, jobs):
     """Every job at TP 4 (the whole world), then at TP 2 (ranks {0, 1} and {2, 3}: two groups of
     two processes, so one world of four processes checks both sizes)."""
     import torch.distributed as dist
-    from nanodspark.distributed import TPGroup
+    from nanodspark.sharding import TPGroup
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     res = {}
     for size, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
@@ -228,13 +229,12 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == want
         assert [o.token_ids for o in llm.generate(_prompts()[:2], seeded)] == want_seeded
         # the overlapped loop (CUDA's default; here forced on the CPU): launch n+1, then commit n
-        from nanodspark.overlap_loop import OverlapLoop
-        eng.loop = OverlapLoop(eng)
+        eng.overlap = True
         assert [o.token_ids for o in llm.generate(_prompts()[1:], GREEDY)] == want[1:]
         # host-decided windows that differ per request and per step reach every rank (rank 0
         # decides, the plan carries them); verification stays lossless
-        from nanodspark.cost_scheduler import ForcedWindows
-        eng.windows = ForcedWindows(eng.gamma, lambda reqs: [(len(r.output_ids) + i) % 4 for i, r in enumerate(reqs)])
+        from nanodspark.windows import ForcedWindows
+        eng.windows = ForcedWindows(eng.gamma, lambda reqs: [(r.num_output + i) % 4 for i, r in enumerate(reqs)])
         assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == want[:2]
         digests = par.digests()
         assert par.steps > 0 and len(set(digests)) == 1, digests

@@ -1,25 +1,16 @@
-"""The overlapped loop's contract (nanodspark/overlap_loop.py; the course's `overlap` unit):
-step n+1 is launched before step n is read and committed, a `Drain` commits the step in flight
-before scheduling again, nothing launched is lost or committed twice, and on a real engine the
-overlapped loop commits exactly the tokens of the synchronous one (on the CPU too, where the
-engine itself uses the synchronous loop)."""
+"""The overlapped step's contract (`LLMEngine.step`; walkthrough chapter 11; the course's
+`overlap` unit): step n+1 is launched before step n is read and committed, a `Drain` commits the
+step in flight before scheduling again, nothing launched is lost or committed twice, and on a
+real engine the overlapped step commits exactly the tokens of the synchronous one (on the CPU
+too, where the engine itself steps synchronously)."""
+from contextlib import contextmanager
+
 from nanodspark import LLM, SamplingParams
-from nanodspark.overlap_loop import OverlapLoop, SyncLoop
+from nanodspark.engine import LLMEngine, PhaseClock
 from nanodspark.scheduler import Drain
 
 from test_engine import check_no_leak, prompts
 from test_verify import make_drafter
-
-
-class Clock:
-    def __init__(self):
-        self.steps, self.laps = 0, []
-
-    def start(self):
-        pass
-
-    def lap(self, name):
-        self.laps.append(name)
 
 
 class Handle:
@@ -33,84 +24,87 @@ class Handle:
         return self.n
 
 
-class FakeEngine:
-    """Plans are step numbers; `plans` says how many steps have work; `drain_at` makes one
-    schedule call raise Drain (a preemption while a step is in flight)."""
+class FakeScheduler:
+    def __init__(self, eng):
+        self.eng = eng
 
-    def __init__(self, plans, drain_at=()):
-        self.plans, self.drain_at, self.log, self.clock = plans, set(drain_at), [], Clock()
+    def schedule(self, decode_rows):
+        eng, n = self.eng, self.eng.scheduled
+        if n in eng.drain_at:
+            eng.drain_at.discard(n)
+            eng.log.append(f"drain {n}")
+            raise Drain("req")
+        eng.scheduled += 1
+        eng.log.append(f"schedule {n}")
+        return [n] if n < eng.plans else []
+
+
+class FakeEngine:
+    """`LLMEngine.step` and `schedule` on a stand-in: plans are step numbers; `plans` says how many
+    steps have work; `drain_at` makes one schedule call raise Drain (a preemption while a step is
+    in flight). Outputs are plain lists."""
+    step, schedule, phase = LLMEngine.step, LLMEngine.schedule, LLMEngine.phase
+    decode_rows = 1
+
+    def __init__(self, plans, drain_at=(), overlap=True):
+        self.plans, self.drain_at, self.log, self.clock = plans, set(drain_at), [], PhaseClock()
+        self.scheduler, self.overlap, self.in_flight = FakeScheduler(self), overlap, None
         self.scheduled = self.launched = 0
         self.committed = []
-
-    def schedule(self):
-        n = self.scheduled
-        if n in self.drain_at:
-            self.drain_at.discard(n)
-            self.log.append(f"drain {n}")
-            raise Drain("req")
-        self.scheduled += 1
-        self.log.append(f"schedule {n}")
-        return [n] if n < self.plans else []
 
     def launch(self, plan):
         self.log.append(f"launch {plan[0]}")
         self.launched += 1
         return Handle(self, plan[0])
 
-    def commit(self, result):
+    def commit(self, result, out):
         self.log.append(f"commit {result}")
         self.committed.append(result)
-        return [f"out {result}"]
+        out.add(f"out {result}")
 
 
-def run(loop, eng, calls):
+def run(eng, calls):
     outs = []
     for _ in range(calls):
-        outs += loop.step()
+        outs += list(eng.step())
     return outs
 
 
-def test_the_loop_launches_the_next_step_before_it_commits_this_one():
+def test_the_step_launches_the_next_one_before_it_commits_this_one():
     eng = FakeEngine(plans=3)
-    loop = OverlapLoop(eng)
-    assert loop.step() == [] and eng.log == ["schedule 0", "launch 0"]          # nothing to commit yet
-    assert loop.pending is not None and eng.clock.steps == 1
-    assert loop.step() == ["out 0"]
+    assert list(eng.step()) == [] and eng.log == ["schedule 0", "launch 0"]       # nothing to commit yet
+    assert eng.in_flight is not None and eng.clock.steps == 1
+    assert list(eng.step()) == ["out 0"]
     assert eng.log[2:] == ["schedule 1", "launch 1", "result 0", "commit 0"]      # n+1 launched, then n read
-    outs = run(loop, eng, 3)
-    assert outs == ["out 1", "out 2"] and eng.committed == [0, 1, 2] and loop.pending is None
+    outs = run(eng, 3)
+    assert outs == ["out 1", "out 2"] and eng.committed == [0, 1, 2] and eng.in_flight is None
     assert eng.log[6:] == ["schedule 2", "launch 2", "result 1", "commit 1", "schedule 3", "result 2", "commit 2",
                            "schedule 4"]
     assert eng.clock.steps == 3 and eng.launched == 3
-    assert {"schedule", "launch", "wait", "commit"} <= set(eng.clock.laps)
+    assert {"schedule", "launch", "result", "commit"} <= set(eng.clock.total)
+
+
+def test_the_synchronous_step_reads_what_it_launched():
+    eng = FakeEngine(plans=2, overlap=False)
+    assert list(eng.step()) == ["out 0"] and eng.log == ["schedule 0", "launch 0", "result 0", "commit 0"]
+    assert run(eng, 2) == ["out 1"] and eng.in_flight is None
 
 
 def test_a_drain_commits_the_step_in_flight_before_scheduling_again():
     eng = FakeEngine(plans=3, drain_at=[2])
-    loop = OverlapLoop(eng)
-    assert run(loop, eng, 2) == ["out 0"]
-    assert loop.step() == ["out 1"]                      # schedule(2) drained: step 1 committed first
+    assert run(eng, 2) == ["out 0"]
+    assert list(eng.step()) == ["out 1"]                 # schedule(2) drained: step 1 committed first
     assert eng.log[-5:] == ["drain 2", "result 1", "commit 1", "schedule 2", "launch 2"]
-    assert run(loop, eng, 2) == ["out 2"] and eng.committed == [0, 1, 2]
+    assert run(eng, 2) == ["out 2"] and eng.committed == [0, 1, 2]
 
 
 def test_every_launched_step_is_committed_once_in_order():
     for plans in (0, 1, 5):
         for drains in ((), (1,), (1, 3, 4)):
             eng = FakeEngine(plans, drain_at=drains)
-            loop = OverlapLoop(eng)
-            outs = run(loop, eng, plans + len(drains) + 2)
+            outs = run(eng, plans + len(drains) + 2)
             assert eng.committed == list(range(plans)) == [int(o.split()[1]) for o in outs]
-            assert loop.pending is None and eng.launched == plans
-
-
-def test_forget_drops_the_step_in_flight():
-    eng = FakeEngine(plans=2)
-    loop = OverlapLoop(eng)
-    loop.step()
-    loop.forget()
-    assert loop.pending is None
-    assert loop.step() == [] and eng.committed == []     # step 0 is gone; step 1 is now in flight
+            assert eng.in_flight is None and eng.launched == plans
 
 
 def test_the_overlapped_loop_commits_what_the_synchronous_one_does(tiny_dir, tmp_path):
@@ -121,10 +115,10 @@ def test_the_overlapped_loop_commits_what_the_synchronous_one_does(tiny_dir, tmp
     params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=5 + 4 * i, ignore_eos=True)
               for i in range(6)]
     outs = []
-    for loop_type in (SyncLoop, OverlapLoop):
+    for overlap in (False, True):
         llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr), block_size=4, num_kv_blocks=30)
         eng = llm.engine
-        eng.loop = loop_type(eng)
+        eng.overlap = overlap
         preempted = []
         orig = eng.scheduler.preempt
         eng.scheduler.preempt = lambda r, o=orig: (preempted.append(r.request_id), o(r))
@@ -132,7 +126,7 @@ def test_the_overlapped_loop_commits_what_the_synchronous_one_does(tiny_dir, tmp
         assert [len(t) for t in got] == [p.max_tokens for p in params]
         outs.append(got)
         assert preempted, "the pool should be small enough to preempt"
-        assert eng.loop.pending is None
+        assert eng.in_flight is None
         check_no_leak(llm)
     assert outs[0] == outs[1]
 
@@ -148,7 +142,7 @@ def test_a_poisoned_speculative_request_fails_alone_in_the_overlapped_loop(tiny_
     want = [o.token_ids for o in LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr)).generate(good, greedy)]
     llm = LLM(str(tiny_dir), use_tqdm=False, drafter_path=str(dr))
     eng = llm.engine
-    eng.loop = OverlapLoop(eng)
+    eng.overlap = True
     with torch.no_grad():
         eng.model.model.embed_tokens.weight[7] = float("nan")
     reqs = [eng.add_request(p, greedy) for p in good]
@@ -156,7 +150,7 @@ def test_a_poisoned_speculative_request_fails_alone_in_the_overlapped_loop(tiny_
     while eng.has_unfinished():
         eng.step()
     assert poisoned.finish_reason == "error" and [r.output_ids for r in reqs] == want
-    assert not eng.metrics.pending and eng.metrics.online.count.sum() > 0
+    assert not eng.metrics.pending.any() and eng.metrics.summary() and eng.metrics.online.count.sum() > 0
     check_no_leak(llm)
 
 
@@ -166,10 +160,10 @@ def test_eplb_closes_one_step_per_window_row_in_the_overlapped_loop(tiny_dir):
     commit, the first row held two steps and the last none.)"""
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     rows = []
-    for loop_type in (SyncLoop, OverlapLoop):
+    for overlap in (False, True):
         llm = LLM(str(tiny_dir), use_tqdm=False, eplb=True, eplb_interval=0, eplb_window=64)
         eng = llm.engine
-        eng.loop = loop_type(eng)
+        eng.overlap = overlap
         llm.generate([[5, 6, 7, 8, 9]], greedy)       # a 5-token prefill, then 3 one-token decodes
         per_step = eng.eplb.recorder.per_step()[:, 0].sum(-1)        # pairs per step, first MoE layer
         rows.append(per_step.tolist())
@@ -184,7 +178,7 @@ def test_a_stream_leaves_the_overlapped_engine_idle(tiny_dir):
     step still in flight: the engine has nothing unfinished, and nothing leaks."""
     llm = LLM(str(tiny_dir), use_tqdm=False)
     eng = llm.engine
-    eng.loop = OverlapLoop(eng)
+    eng.overlap = True
     p = prompts(1, 8192, seed=11)[0]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert [t for o in llm.stream(p, greedy) for t in o.new_token_ids] == llm.generate([p], greedy)[0].token_ids
@@ -192,5 +186,5 @@ def test_a_stream_leaves_the_overlapped_engine_idle(tiny_dir):
     it = llm.stream(p, greedy)
     next(it)
     it.close()
-    assert not eng.has_unfinished() and eng.loop.pending is None
+    assert not eng.has_unfinished() and eng.in_flight is None
     check_no_leak(llm)

@@ -78,8 +78,7 @@ def test_engine_config_replay_settings():
 def windows_in_flight(llm) -> int:
     """Verify windows a request can have in flight: two under the overlapped loop (CUDA's
     default), one under the synchronous one."""
-    from nanodspark.overlap_loop import OverlapLoop
-    return 2 if isinstance(llm.engine.loop, OverlapLoop) else 1
+    return 2 if llm.engine.overlap else 1
 
 
 def test_auto_in_the_engine_follows_its_drafter(tiny_dir, tmp_path):
@@ -243,7 +242,7 @@ def multi_turn(llm, prompts, turns, params, rng, on_step=None):
     eng, answers = llm.engine, []
     for _ in range(turns):
         reqs = [eng.add_request(p, params) for p in prompts]
-        while any(r.status.value != "finished" for r in reqs) or eng.loop.pending:
+        while any(r.status.value != "finished" for r in reqs) or eng.in_flight:
             eng.step()
             if on_step:
                 on_step()
@@ -332,7 +331,7 @@ def test_an_admission_undone_gives_its_snapshot_back(tiny_dir, monkeypatch):
         return orig(req, n)
     monkeypatch.setattr(sched, "_grow", refuse_once)
     req = eng.add_request(p1 + out + [7, 8], params)
-    assert eng.schedule() == [] and req.tables == {} and req.num_computed == 0
+    assert not eng.schedule() and req.tables == {} and req.num_computed == 0
     assert sched.snapshots.stats["hits"] == 0 and sched.snapshots.tables()[0].blocks == blocks
     check_invariants_with_pool(eng)
     run_to_end(eng, req)

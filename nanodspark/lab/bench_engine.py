@@ -346,7 +346,7 @@ def dspark_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-PHASES = ("schedule", "launch", "wait", "commit")   # the engine loop's phases (overlap_loop.py)
+PHASES = ("schedule", "launch", "result", "commit")   # the phases of `LLMEngine.step`
 
 
 def phase_markdown(result: dict) -> str:
@@ -370,7 +370,7 @@ def dspark_table(args) -> dict:
     print(dspark_markdown(result))
     phases = phase_markdown(result)
     if phases:
-        print("\nHost ms per engine step by phase ('wait' is the host waiting for the device; with the "
+        print("\nHost ms per engine step by phase ('result' is the host waiting for the device; with the "
               "overlapped loop the next step is already queued then):\n\n" + phases)
     return result
 

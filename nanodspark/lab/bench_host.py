@@ -27,9 +27,8 @@ PHASES = ("schedule", "launch_less_forward", "result", "commit")
 
 def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = True) -> dict:
     """Per-step host ms of each phase over `steps` decode steps of a batch already decoding."""
-    from ..overlap_loop import SyncLoop
     eng = llm.engine
-    eng.loop = SyncLoop(eng)                    # phases one after the other: each timed alone
+    eng.overlap = False                         # phases one after the other: each timed alone
     reqs = _decoding_batch(llm, prompts, steps + 3, stop, stream_text)
     graphs, forward = eng.executor.graphs, []
     run = graphs.run
@@ -48,7 +47,7 @@ def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = T
             eng.step()
             ms = eng.clock.per_step_ms()
             rows.append(dict(schedule=ms["schedule"], launch_less_forward=ms["launch"] - 1e3 * sum(forward),
-                             result=ms["wait"], commit=ms["commit"]))
+                             result=ms["result"], commit=ms["commit"]))
     finally:
         graphs.run = run
         _finish(llm, reqs)

@@ -6,15 +6,15 @@ table (isotonic forcing, lookup) and `profile_stats.py` its statistics (rounds, 
 estimate, trend gate). This file supplies what is timed. Walkthrough: chapter 07 §4 and §9; figures: chapter 09 §5a.
 
 `whole_step_runner` times whole `engine.step()` calls of bs decoding requests built from mixed
-workload prompts, with the windows forced to add up to K (`cost_scheduler.ForcedWindows`, on an
+workload prompts, with the windows forced to add up to K (`windows.ForcedWindows`, on an
 engine built in the compact verify mode, so a window below gamma is verified as given) and no
-draft committed (so every K commits the same tokens: the table prices verifying, not
-committing), the batch rebuilt untimed whenever a request has grown `DEFAULT_CONTEXT_SLACK`
+draft committed (`VerifyOnly`, swapped into the decode step: every K commits the same tokens,
+so the table prices verifying, not committing), the batch rebuilt untimed whenever a request has grown `DEFAULT_CONTEXT_SLACK`
 tokens (a fixed context). With the overlapped loop a timed step is the time between two steps'
 results, which is what the cost scheduler trades against.
 
 Invariants: a profile leaves the engine as it found it (no request, no KV block, no forced
-window, no accept cap); prefills and rebuilds are never timed; each K is what the target verifies.
+window, its own verify mode); prefills and rebuilds are never timed; each K is what the target verifies.
 """
 from __future__ import annotations
 
@@ -48,20 +48,21 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     K tokens and not the per-token work of committing more of them, which the scheduler must
     not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
     import random
-    from ..cost_scheduler import ForcedWindows
-    from ..overlap_loop import SyncLoop
     from ..sampling import SamplingParams
     from ..verify import VerifyMode
+    from ..windows import ForcedWindows
     eng = llm.engine
     if eng.drafter is None or eng.verify_mode is not VerifyMode.COMPACT:
         raise ValueError("the whole-step profile needs a drafter and an engine in the compact verify mode")
     if eng.has_unfinished():
         raise ValueError("the whole-step profile needs an idle engine")
-    # The synchronous loop: each timed call is one step with its own K, committed before it returns.
-    # (The runner waits for the GPU after every step, so an overlapped loop would hide nothing; it
-    # would only commit each K one call late.) `close` gives the engine its own loop back.
-    gamma, policy, loop = eng.gamma, eng.windows, eng.loop
-    eng.loop = SyncLoop(eng)
+    # Synchronous steps: each timed call is one step with its own K, committed before it returns.
+    # (The runner waits for the GPU after every step, so an overlapped step would hide nothing; it
+    # would only commit each K one call late.) `close` gives the engine its own setting back.
+    gamma, policy, overlap, mode = eng.gamma, eng.windows, eng.overlap, eng.executor.spec.mode
+    eng.overlap = False
+    if not commit_drafts:
+        use_mode(eng, VerifyOnly())
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
@@ -98,7 +99,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             eng.clock.reset()
             rebuild(bs)
             state["bs"] = bs
-        elif max(len(r.output_ids) for r in state["reqs"]) > context_slack:
+        elif max(r.num_output for r in state["reqs"]) > context_slack:
             rebuild(bs)
             state["rebuilds"] = state.get("rebuilds", 0) + 1
 
@@ -106,7 +107,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         if state["bs"] != bs:
             prepare(bs, k)
         eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
-                                                      for r in range(len(rs))], None if commit_drafts else 0)
+                                                      for r in range(len(rs))])
         eng.step()
         sync()
 
@@ -115,12 +116,40 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
             phases[state["bs"]] = eng.clock.per_step_ms()
         for rid in state["ids"]:
             eng.abort(rid)
-        eng.windows, eng.loop = policy, loop
+        eng.windows, eng.overlap = policy, overlap
+        if eng.executor.spec.mode is not mode:
+            use_mode(eng, mode)
     run_step.close = close
     run_step.phases = phases
     run_step.prepare = prepare
     run_step.state = state
     return run_step
+
+
+class VerifyOnly:
+    """The profile's verify mode: the target verifies each forced window, as in compact, and no
+    draft is committed (each step commits the target's own token), so the context grows by one
+    token per step at every K. A lab object with `VerifyMode`'s interface: the engine never
+    builds it, it is swapped into the decode step for the profile and out again after."""
+    trims, reports_ceiling, verifies_window = True, False, True
+
+    def verified(self, window, gamma):
+        return window
+
+    def cap(self, window, gamma):
+        return window * 0
+
+    def reported_window(self, window, verified):
+        return min(window, verified)
+
+
+def use_mode(eng, mode) -> None:
+    """Put `mode` in the engine's decode step; captured graphs hold the old one: capture again."""
+    ex = eng.executor
+    ex.spec.mode = mode
+    if ex.graphs.graphs:
+        ex.graphs.graphs.clear()
+        ex.graphs.capture([(True, False), (False, False)], progress=False)
 
 
 DEFAULT_K_POINTS = 8   # extra-verify-token points per batch size besides K = 0

@@ -127,7 +127,7 @@ def _rank_main(rank, size, port, cuda, a, queue) -> None:
 def _run_rank(rank, size, port, cuda, a) -> list[dict]:
     import torch
     import torch.distributed as dist
-    from ..distributed import Layout, TPGroup
+    from ..sharding import Layout, TPGroup
     if cuda:
         torch.cuda.set_device(rank)
         device, dtype, backend = torch.device("cuda", rank), torch.bfloat16, "nccl"
@@ -156,7 +156,7 @@ def _run_rank(rank, size, port, cuda, a) -> list[dict]:
 def _random_model(shape, layers, layout, tp, device, dtype):
     import torch
     from ..config import ModelConfig
-    from ..distributed import shard_model
+    from ..sharding import shard_model
     from ..model import CausalLM
     d = dict(SHAPES[shape])
     if layers:
@@ -181,7 +181,7 @@ def _random_model(shape, layers, layout, tp, device, dtype):
 def _measure(model, cfg, layout, group, tp, batch, a, device, dtype, cuda, shape) -> dict:
     import torch
     import torch.distributed as dist
-    from ..distributed import local_config
+    from ..sharding import local_config
     from ..model import GroupMeta, KVCache, PagedAttentionContext, ops_for
     ops = ops_for("triton" if cuda else "torch")
     if cuda:

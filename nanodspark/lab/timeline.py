@@ -2,9 +2,9 @@
 
 For each loop (synchronous, overlapped) it runs a batch to steady decoding, records a few steps
 under torch.profiler, and draws one PNG: per loop a host lane (the engine loop's phases,
-marked with `record_function` in overlap_loop.py: schedule, launch, wait, commit) above a GPU
+marked with `record_function` in `LLMEngine.step`: schedule, launch, result, commit) above a GPU
 lane (every kernel). In the synchronous loop the GPU lane has a gap for every host phase but
-`wait`; in the overlapped one the next step's kernels are queued before the host waits, so the
+`result`; in the overlapped one the next step's kernels are queued before the host waits, so the
 gaps close as long as the host work of a step is shorter than its GPU work. Writes the PNG and
 a JSON of the intervals (hardware, versions, command). Walkthrough chapter 11.
 """
@@ -20,7 +20,7 @@ from .bench_engine import environment
 from .bench_speed import _decoding_batch, _finish, _prompts
 from .plots import write_png
 
-PHASE_COLOURS = {"schedule": (31, 119, 180), "launch": (255, 127, 14), "wait": (200, 200, 200),
+PHASE_COLOURS = {"schedule": (31, 119, 180), "launch": (255, 127, 14), "result": (200, 200, 200),
                  "commit": (44, 160, 44)}
 KERNEL_COLOUR = (214, 39, 40)
 
@@ -80,7 +80,7 @@ def timeline(args) -> dict:
     draw(traces, out.with_suffix(".png"))
     result = {"benchmark": "decode-step timeline (profiler trace)", "model": args.model or "default pair",
               "batch": args.batch, **environment(), "rows": rows,
-              "lanes": "per loop: host phases (schedule blue, launch orange, wait grey, commit green) over GPU kernels (red)",
+              "lanes": "per loop: host phases (schedule blue, launch orange, result grey, commit green) over GPU kernels (red)",
               "traces": traces}
     out.with_suffix(".json").write_text(json.dumps(result))
     for r in rows:
