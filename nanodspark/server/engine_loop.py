@@ -268,18 +268,19 @@ class EngineLoop:
                 stalled = not outs and eng.has_unfinished()
                 self._dirty = True
             self._flush()
+        self._command(("abort_all",))    # open streams end with finish_reason "abort"
         self.close(503, "the server is shutting down")
 
     def close(self, status: int, message: str) -> None:
-        """The loop is over: abort what the engine still holds, and tell the API side."""
+        """The loop is over: every request still open on the API side gets this error (after a
+        stop, none is left: `run` aborted them first), and the engine forgets them."""
         for rid in list(self._live):
             try:
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._row(out)
+                self.engine.abort(rid)
+                self.engine.release(rid)
             except Exception:  # noqa: BLE001 - the engine may be in trouble already
                 log.exception("abort of %s failed", rid)
-                self._live.discard(rid)
+        self._live.clear()
         self._out.closing = (status, "server_error", message)
         self._flush(force_state=True)
 
