@@ -164,6 +164,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**kwargs, use_tqdm=True)   # progress bars while capturing graphs
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else the environment variable NANODSPARK_API_KEY, else no key."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def curl_example(url: str, model: str, api_key: str | None = None) -> str:
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello! Who are you?"}], '
             '"max_tokens": 64}') % model
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = api_key_of(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     rank = _torchrun_rank()
     sock = None

@@ -16,7 +16,6 @@
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
