@@ -233,6 +233,8 @@ def _reject_unsupported(body: dict) -> None:
     for name, (kind, neutral, why) in NEUTRAL_ONLY.items():
         v = get_field(body, name, kind) if kind else body.get(name)
         if v is not None and not neutral(v):
+            if name == "response_format" and "type" in v:
+                raise bad_request(f"{why}; got response_format.type={preview(v['type'])}", name)
             raise bad_request(f"{why}; got {name}={preview(v)}", name)
 
 
