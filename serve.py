@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             from nanodspark.engine import LLMEngine
             from nanodspark.server import EngineInfo
             engine = LLMEngine(model, cfg)            # a torchrun worker rank never returns from here
-            info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0)
+            info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0, model=str(model_dir))
         else:
             from nanodspark.server import CoreClient
             core = CoreClient(model, cfg, args.log_level)

@@ -230,7 +230,8 @@ def run_core(model_path, config, commands, outputs, log_level: str = "info") -> 
         outputs.send(("failed", kind, f"{e}"))
         outputs.close()
         return
-    info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0)
+    from ..loader import resolve_model_dir
+    info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0, model=str(resolve_model_dir(model_path)))
     engine.tokenizer = None      # the API process does all text work: the core never decodes
     sends: queue.SimpleQueue = queue.SimpleQueue()
     loop = EngineLoop(engine, emit=lambda batch: sends.put(("out", batch)), own_process=True)

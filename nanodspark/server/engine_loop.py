@@ -117,20 +117,22 @@ class EngineInfo:
     load_seconds: float = 0.0
 
     @classmethod
-    def of(cls, engine, load_seconds: float = 0.0) -> "EngineInfo":
+    def of(cls, engine, load_seconds: float = 0.0, model: str | None = None) -> "EngineInfo":
+        """`model`: the checkpoint directory, as the summary should name it."""
         cfg = engine.config
+        model = model or str(engine.model_name)
         kv_blocks = min(bm.num_blocks for bm in engine.scheduler.managers.values())
         kv_tokens = kv_blocks * cfg.block_size
         graphs = getattr(getattr(engine, "executor", None), "graphs", None)
         drafter = getattr(engine, "drafter", None)
         par = getattr(engine, "parallel", None)
         return cls(
-            model=str(engine.model_name), max_model_len=engine.max_model_len,
+            model=model, max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size,
             max_request_tokens=min(engine.max_model_len, kv_tokens - engine.decode_rows),
             max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
             device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-            drafter=None if drafter is None else (cfg.drafter_path or "the model's drafter/"),
+            drafter=None if drafter is None else (cfg.drafter_path or os.path.join(model, "drafter")),
             gamma=engine.gamma, block_size=cfg.block_size, kv_blocks=kv_blocks,
             kv_groups=list(engine.scheduler.managers),
             graphs=len(getattr(graphs, "graphs", None) or {}),
@@ -344,9 +346,12 @@ class EngineLoop:
         """Emit what this iteration produced, with the engine's state when it is due: every
         `STATE_INTERVAL_S` while busy, and once whenever the engine has gone idle."""
         now = time.monotonic()
-        idle = not self.engine.has_unfinished()
+        idle = force_state or not self.engine.has_unfinished()
         if force_state or (self._dirty and (idle or now >= self._state_due)):
-            self._out.state = self._state()
+            try:
+                self._out.state = self._state()
+            except Exception:  # noqa: BLE001 - gauges are not worth a request: log, and go on
+                log.exception("reading the engine's state failed")
             self._state_due, self._dirty = now + self.STATE_INTERVAL_S, False
         if self._out:
             out, self._out = self._out, StepOutputs()
