@@ -2,63 +2,39 @@
 
 The idea
 --------
-`LLMEngine` is not thread-safe, and one `step()` can take a while, so it must never run on the
+`LLMEngine` is not thread-safe, and one `step()` can take a while, so it never runs on the
 asyncio event loop that serves HTTP. The engine side (`EngineLoop`, engine_loop.py) owns the
-engine and speaks token ids only; it runs in the engine-core process (`CoreClient`, core.py:
-`serve.py`'s default) or in a thread of this process (`create_app(engine)`: the tests and
-`serve.py --single-process`). This side, on the event loop, does everything else:
+engine and speaks token ids only, in the engine-core process (`CoreClient`, core.py: `serve.py`'s
+default) or in a thread of this process (`create_app(engine)`: the tests, `--single-process`).
+This side does the rest. The handlers (FastAPI, on the event loop) read the body (at most
+`max_body_bytes`, else 413), hand it to a small pool of worker threads that parses, checks and
+tokenizes it (`_prepare_completion`, `_prepare_chat`; the OpenAI shapes are openai_api.py's),
+`submit` it and `await` its `Handle`'s queue, which `OutputProcessor` (outputs.py) fills with an
+acceptance (or a 400/429 refusal), then text, then the finish. A streaming handler turns each
+output into a server-sent event; a plain one collects them into one JSON answer. `create_app`
+wires the routes (with `/version`, `/tokenize`, `/detokenize`), the API key, the error handlers
+and the metrics middleware; `HTTPServer` runs the app with uvicorn.
 
-* `openai_api.py`: **the OpenAI shapes**: validation of request bodies into `SamplingParams`,
-  the accepted fields, chat messages, response chunks, server-sent events and errors.
-* `outputs.py`: **the API side of a request** (`Handle`, `OutputProcessor`): token ids in;
-  text (the engine's incremental detokenizer), stop strings, metrics and each handle's queue out.
-* this file: **the handlers** (FastAPI, on the event loop) read the body (at most
-  `max_body_bytes`, else 413), hand it to a small pool of worker threads that parses, checks,
-  validates and tokenizes it (`_prepare_completion`, `_prepare_chat`), `submit` it to the
-  engine side and `await` their queue: first an acceptance (or the engine's refusal, which
-  becomes a 400/429), then outputs. A streaming handler turns each output into a server-sent
-  event; a plain one collects them into one JSON answer. `create_app` wires the routes (with
-  `/version`, `/tokenize`, `/detokenize`), the API key, the error handlers and the metrics
-  middleware; `HTTPServer` runs the app with uvicorn.
+Limits (chapter 08 lists them), each checked before the work it protects: the body's size (413;
+the bodies held at once are bounded too, else 429); the JSON's depth and text (400,
+`parse_json_body`); a text prompt longer in characters than the context can hold in tokens (400,
+not tokenized); prompt + `max_tokens` over the context (400 with the arithmetic). Tokenizing
+runs in the pool with the interpreter lock released (`Tokenizer.encode_releasing_gil`).
 
-Limits (chapter 08, section 9). Every bound is checked before the work it protects:
-
-* the body: `Content-Length` (or the bytes read so far) over `max_body_bytes` -> 413 before the
-  body is kept; the bodies held at once (read, or waiting for a worker) are bounded too
-  (`BODY_BUDGET_FACTOR` x `max_body_bytes`, else 429), so a burst of large bodies cannot grow the
-  process without bound;
-* the JSON: not JSON, nested deeper than `MAX_JSON_DEPTH`, or holding a lone surrogate -> 400
-  (`openai_api.parse_json_body`);
-* a text prompt: more characters than `max_model_len * tokenizer.longest_token_chars` -> 400
-  without tokenizing it (no such text can fit the context); otherwise it is tokenized in the pool
-  with the interpreter lock released (`Tokenizer.encode_releasing_gil`), so a long prompt stalls
-  neither the event loop (`/health`, other streams) nor the engine;
-* prompt + `max_tokens` over the context -> 400 with the arithmetic (`check_context`).
-
-The knobs are server-only, so they are arguments of `create_app` and flags of `serve.py`
-(`--max-body-bytes`, `--prepare-threads`), not fields of `EngineConfig`.
-
-Abort. A client that goes away mid-stream cancels the response task; `_Stream.__call__` catches
-that in a `finally` and sends `abort` to the engine side, which frees the request's KV blocks.
-A non-streaming handler polls `request.is_disconnected()` while it waits. Shutdown (uvicorn's
-SIGINT/SIGTERM handling through `HTTPServer`) first aborts every request, so open streams end at
-once; then the app's lifespan exit stops the engine side (thread or process) and joins it.
-
-API key (`api_key`, `serve.py --api-key`): every `/v1` route wants `Authorization: Bearer KEY`
-(else 401 in the OpenAI shape); `/health`, `/metrics`, `/version`, `/tokenize` and `/detokenize`
-stay open, as vLLM's do.
+Abort: a client that goes away mid-stream cancels the response task; `_Stream.__call__` sends
+`abort` in a `finally`; a non-streaming handler polls `request.is_disconnected()`. Shutdown
+(`HTTPServer`) first aborts every request, then the lifespan exit stops the engine side. With
+an API key every `/v1` route wants `Authorization: Bearer KEY` (else 401); `/health`,
+`/metrics`, `/version`, `/tokenize` and `/detokenize` stay open, as vLLM's do.
 
 Invariants
 ----------
-* Handlers use nothing of the engine but immutable facts read before the engine side starts
-  (`EngineInfo`: the context and KV limits); the tokenizer is this process's own.
-* `inflight` (requests between acceptance and their handler's end) is changed only on the event
-  loop, exactly once up and once down per accepted request; beyond `max_queue` new requests get
-  429 before they reach the engine.
+* Handlers use nothing of the engine but `EngineInfo`, read before the engine side starts; the
+  tokenizer is this process's own. Worker threads never touch the engine side or a `Handle`.
+* `inflight` (requests between acceptance and their handler's end) changes only on the event
+  loop, once up and once down per accepted request; beyond `max_queue`, 429 before the engine.
 * Every error, ours or FastAPI's, is answered in the OpenAI shape (`APIError`); a malformed
   request never reaches the generic 500 handler, so its keep-alive connection stays open.
-* The worker threads read only immutable facts of the server (limits, tokenizer); they never
-  touch the engine side or a `Handle`.
 """
 from __future__ import annotations
 
