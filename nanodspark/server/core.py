@@ -100,10 +100,14 @@ class CoreClient:
         if (model_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(model_dir)
             self.tokenizer.longest_token_chars   # computed now, not on the first request
+        t0 = next_note = time.monotonic()
         try:
             while not self._out.poll(0.2):
                 if not self.process.is_alive():
                     raise EOFError
+                if time.monotonic() >= next_note + 15:     # a line now and then while a big model loads
+                    next_note = time.monotonic()
+                    log.info("the engine core is still loading (%.0f s)", next_note - t0)
             msg = self._out.recv()
         except (EOFError, OSError):
             self.process.join(5)
