@@ -17,8 +17,9 @@ What cannot be served exactly is refused with a `ValueError` naming the field. `
 reports, before any weight is read, which fields of a config.json are honoured, ignored or
 refused (`python -m nanodspark.check DIR`); walkthrough chapter 01 §3 has the table.
 
-`EngineConfig` holds every knob of the engine, each with a default and a one-line meaning.
-Nothing else in the package hard-codes a tunable number.
+`EngineConfig` holds every knob of the engine, each with a default, a line of help and a group
+(placement, cache, batching, speculation, execution, parallel, eplb) in its field's metadata;
+`serve.py` builds its flags from them. Nothing else in the package hard-codes a tunable number.
 
 Invariants: `layer_types[i]` is `"full_attention"` or `"sliding_attention"`; a sliding layer has a
 window `sliding_window > 0`; `head_dim * num_attention_heads` need not equal `hidden_size` (Qwen3);
@@ -26,9 +27,15 @@ window `sliding_window > 0`; `head_dim * num_attention_heads` need not equal `hi
 """
 from __future__ import annotations
 
+import difflib
 import json
+import numbers
+import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -369,94 +376,129 @@ def check_config(d: dict) -> ConfigCheck:
     return ConfigCheck(arch, rows, cfg)
 
 
+# ----------------------------------------------------------------------------- the engine's knobs
+GROUPS = {   # EngineConfig's groups, in the order `serve.py --help` shows them
+    "placement": "where the engine runs",
+    "cache": "the paged KV cache, the prefix cache and SWA replay",
+    "batching": "what one step may hold",
+    "speculation": "DSpark: the drafter, verification and the cost scheduler",
+    "execution": "kernels, CUDA graphs, the overlapped loop",
+    "parallel": "tensor and expert parallelism (distributed.py)",
+    "eplb": "expert load balancing (eplb.py): recorder, redundant experts, rebalancing",
+}
+
+
+def knob(default, help: str, group: str, cli: bool = True):
+    """An `EngineConfig` field: its default, one line of help and its group (`serve.py` builds its
+    flags from these; `cli=False` keeps a field off the command line)."""
+    assert group in GROUPS, group
+    return field(default=default, metadata={"help": help, "group": group, "cli": cli})
+
+
 @dataclass
 class EngineConfig:
-    """Every knob of the engine. `LLM(path, **kwargs)` and `serve.py` flags set these fields."""
-    # --- placement ---
-    device: str = "auto"                  # "auto" = cuda if available else cpu
-    dtype: str = "auto"                   # "auto" = bfloat16 on cuda, float32 on cpu
-    seed: int = 0                         # seed of the engine's default sampling generator
-    # --- KV cache ---
-    block_size: int = 16                  # tokens per KV block
-    num_kv_blocks: int = 0                # blocks per KV group; 0 = size from memory below
-    kv_cache_memory_gb: float = 0.0       # memory for all KV groups; 0 = a fraction of free memory
-    kv_memory_fraction: float = 0.4       # share of free device memory the KV cache may take when sizing automatically
-    cpu_kv_blocks: int = 2048             # default block count on CPU (RAM is not probed)
-    enable_prefix_cache: bool = True      # reuse KV of full blocks shared with earlier prompts
-    # SWA replay after a prefix hit (swa_replay.py, walkthrough 13). What the sliding layers
-    # recompute of a cached prefix:
-    #   0 (exact)     N * (W - 1) tokens: the logits of a miss, up to kernel order (381 for the
-    #                 default pair: 3 sliding layers, W = 128);
-    #   n > 0         bounded to n tokens (DeepSeek-V4.1 keeps 140): an approximation;
-    #   "auto"        bounded to the window + the look-back, (1 + gamma) rows per verify window
-    #                 ahead of the frontier (1 window synchronous, 2 overlapped): for the default
-    #                 pair (W = 128, gamma = 5) 140 on CUDA (overlapped), 134 on CPU (synchronous).
-    # Never more than exact. 0 stays the default: the approximation is a deployment's choice.
-    swa_replay_tokens: int | str = 0      # 0 = exact, n = bounded to n tokens, "auto" = window + look-back
-    # SWA snapshots: a finished request's sliding-window KV (the last W positions of every sliding
-    # layer, ceil(W / block_size) + 1 blocks) kept for a follow-up, which then replays nothing.
-    # Eviction: the oldest snapshot goes first, when the pool is full, when a live request needs
-    # a sliding block (snapshots never cause a preemption), and after the TTL. A miss (evicted,
-    # expired, or never saved) falls back to swa_replay_tokens.
-    swa_snapshots: int = 0                # most snapshots kept at once (entries); 0 = off
-    swa_snapshot_ttl_s: float = 180.0     # seconds a snapshot waits for its follow-up before its blocks are freed
-    # --- batching ---
-    max_num_seqs: int = 64                # most requests running at once
-    max_num_batched_tokens: int = 0       # token budget of one forward (prefill chunks + decode + verify); 0 = auto: 8192 on CUDA, 2048 on CPU
-    # (on a GPU an eager prefill chunk costs its launches at any size, so fewer and larger chunks;
-    # on a CPU it costs its FLOPs, and a smaller one keeps running decodes moving)
-    max_model_len: int = 0                # longest prompt + output; 0 = the model's max_position_embeddings
-    max_waiting: int = 1024               # queued requests beyond which new ones are refused
-    # --- attention ---
-    attention_backend: str = "auto"       # "torch" (reference, runs anywhere) | "triton" | "auto"
-    # --- speculative decoding (DSpark) ---
-    drafter_path: str | None = None       # a drafter checkpoint; None = the default's drafter if shipped, "none" = off
-    gamma: int = 0                        # draft block size; 0 = the drafter's trained block size
-    verify_mode: str = "static"           # "static" | "compact" | "cap-accept"
-    cost_table: str | None = None         # JSON step-cost profile (cost_scheduler.py); None = static windows
-    verify_min_gain: float = 0.04         # trim only if the predicted tokens/s beat full blocks by more than this
-    verify_lag: int = 2                   # steps between the confidences that size the budget and now (>= 1)
-    coupled_sampling: bool = False        # drafts and verification share the target's noise: the same tokens with speculation on or off
-    batch_invariant: bool = False         # fixed-order kernels: a request's logits do not depend on the batch, padding or chunking
-    # --- execution (walkthrough 10 and 11) ---
-    cuda_graphs: bool = True              # replay decode steps from CUDA graphs (CUDA and the triton backend only)
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-    # request slots of the captured tiers (those above max_num_seqs are dropped)
-    graph_token_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
-    # verify-token tiers per slot count when the verify mode trims: slots + fraction * slots * gamma
-    overlap: bool = True                  # launch step n+1 before reading step n (CUDA only; engine.py `step`)
-    tune_gemm: bool = False               # time the skinny-GEMM kernel (kernels/linear.py) against the library at start-up
-    # --- progress ---
-    use_tqdm: bool = True                 # progress bar in LLM.generate (more than one prompt)
-    # --- parallelism ---
-    tensor_parallel_size: int = 1         # processes splitting the target: heads, MLP, vocab (distributed.py)
-    expert_parallel_size: int = 1         # expert groups among those processes for MoE layers (divides the TP size)
-    dist_backend: str = "auto"            # "auto" = nccl on cuda, gloo on cpu
-    dist_timeout_s: float = 120.0         # a collective, or a worker, silent this long is an error
-    # --- EPLB (eplb.py, walkthrough 12): expert load recorder, redundant experts, rebalancing ---
-    eplb: bool = False                    # record expert load per slot and rebalance replicas (MoE targets only)
-    eplb_interval: int = 1000             # engine steps between rebalances; 0 = record only, never move
-    eplb_window: int = 1000               # steps of load a placement is computed from (a ring buffer)
-    eplb_num_redundant_experts: int = 0   # extra expert slots per MoE layer, for replicas of hot experts
-    eplb_policy: str = "auto"             # "auto" (hierarchical when the groups divide over the nodes) | "hierarchical" | "global"
-    eplb_ep_size: int = 1                 # simulated EP ranks: the slots cut into this many equal groups
-    eplb_num_groups: int = 1              # expert groups of group-limited routing (hierarchical policy)
-    eplb_num_nodes: int = 1               # nodes the ranks are spread over (hierarchical policy)
-    eplb_record: bool = True              # count tokens per slot (False: map to replicas only; a benchmark's control)
+    """Every knob of the engine. `LLM(path, **kwargs)` and `serve.py` flags set these fields.
+
+    Flat names (`cfg.block_size`), grouped by each field's metadata (`GROUPS`); an enumeration
+    is a `Literal`, checked with every other type when the config is built (`__post_init__`)."""
+    # placement
+    device: str = knob("auto", 'device to run on: "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"',
+                       "placement")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "compute dtype; auto = bfloat16 on cuda, float32 on cpu", "placement")
+    seed: int = knob(0, "seed of the engine's default sampling generator (requests without a seed)", "placement")
+    # cache: four ways to size it, first match wins: num_kv_blocks, kv_cache_memory_gb,
+    # kv_memory_fraction (CUDA), cpu_kv_blocks (CPU)
+    block_size: int = knob(16, "tokens per KV block (a power of two)", "cache")
+    num_kv_blocks: int = knob(0, "blocks per KV group; 0 = size from memory (the next three)", "cache")
+    kv_cache_memory_gb: float = knob(0.0, "memory for all KV groups, GiB; 0 = kv_memory_fraction of free memory",
+                                     "cache")
+    kv_memory_fraction: float = knob(0.4, "share of free device memory (after loading) the KV cache may take "
+                                          "when sized automatically", "cache")
+    cpu_kv_blocks: int = knob(2048, "blocks per KV group on CPU when sized automatically (RAM is not probed)", "cache")
+    enable_prefix_cache: bool = knob(True, "reuse the KV of full blocks shared with earlier prompts", "cache")
+    swa_replay_tokens: int | Literal["auto"] = knob(
+        0, "sliding-layer tokens recomputed after a prefix hit: 0 = exact (the default), n = at most n "
+           "(approximate), auto = window + look-back (walkthrough/13_swa_replay.md)", "cache")
+    swa_snapshots: int = knob(0, "finished requests' sliding-window KV kept for a follow-up (entries; "
+                                 "oldest evicted first); 0 = off", "cache")
+    swa_snapshot_ttl_s: float = knob(180.0, "seconds a snapshot waits for its follow-up before its blocks are freed",
+                                     "cache")
+    # batching
+    max_num_seqs: int = knob(64, "most requests running at once", "batching")
+    max_num_batched_tokens: int = knob(0, "token budget of one forward (prefill chunks + decode + verify); "
+                                          "0 = 8192 on cuda, 2048 on cpu", "batching")
+    max_model_len: int = knob(0, "longest prompt + output; 0 = the model's max_position_embeddings", "batching")
+    max_waiting: int = knob(1024, "queued requests beyond which new ones are refused", "batching")
+    # speculation
+    drafter_path: str | None = knob(None, 'a drafter checkpoint; unset = the model\'s drafter/ if shipped, '
+                                          '"none" = speculation off', "speculation")
+    gamma: int = knob(0, "draft block size; 0 = the drafter's trained block size", "speculation")
+    verify_mode: Literal["static", "compact", "cap-accept"] = knob(
+        "static", "static = full blocks; compact = the cost scheduler trims windows; cap-accept = "
+                  "full blocks, accepted tokens capped (profiling)", "speculation")
+    cost_table: str | None = knob(None, "JSON step-cost profile for the cost scheduler (bench profile); "
+                                        "unset = static windows", "speculation")
+    verify_min_gain: float = knob(0.04, "trim only if the predicted tokens/s beat full blocks by more than this",
+                                  "speculation")
+    verify_lag: int = knob(2, "steps between the confidences that size the budget and now (>= 1)", "speculation")
+    coupled_sampling: bool = knob(False, "drafts and verification share the target's noise: the same tokens "
+                                         "with speculation on or off", "speculation")
+    # execution
+    attention_backend: Literal["auto", "torch", "triton"] = knob(
+        "auto", "torch = the reference (runs anywhere); triton = the paged kernels; auto = triton on cuda",
+        "execution")
+    batch_invariant: bool = knob(False, "fixed-order kernels: a request's logits do not depend on the batch, "
+                                        "padding or chunking", "execution")
+    cuda_graphs: bool = knob(True, "replay decode steps from CUDA graphs (cuda and the triton backend only)",
+                             "execution")
+    graph_batch_sizes: tuple[int, ...] = knob((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
+                                              "request slots of the captured tiers (those above max_num_seqs "
+                                              "are dropped)", "execution")
+    graph_token_fractions: tuple[float, ...] = knob((0.25, 0.5, 0.75, 1.0),
+                                                    "verify-token tiers per slot count when the verify mode trims: "
+                                                    "slots + fraction * slots * gamma", "execution")
+    overlap: bool = knob(True, "launch step n+1 before reading step n (cuda only; engine.py `step`)", "execution")
+    tune_gemm: bool = knob(False, "time the skinny-GEMM kernel against the library at start-up", "execution")
+    use_tqdm: bool = knob(True, "progress bars (LLM.generate of several prompts, graph capture)", "execution",
+                          cli=False)
+    # parallel
+    tensor_parallel_size: int = knob(1, "processes splitting the target: heads, MLP, vocab", "parallel")
+    expert_parallel_size: int = knob(1, "expert groups among those processes for MoE layers (divides the TP size)",
+                                     "parallel")
+    dist_backend: Literal["auto", "gloo", "nccl"] = knob("auto", "auto = nccl on cuda, gloo on cpu", "parallel")
+    dist_timeout_s: float = knob(120.0, "a collective, or a worker, silent this long is an error", "parallel")
+    # eplb
+    eplb: bool = knob(False, "record expert load per slot and rebalance replicas (MoE targets only)", "eplb")
+    eplb_interval: int = knob(1000, "engine steps between rebalances; 0 = record only, never move", "eplb")
+    eplb_window: int = knob(1000, "steps of load a placement is computed from (a ring buffer)", "eplb")
+    eplb_num_redundant_experts: int = knob(0, "extra expert slots per MoE layer, for replicas of hot experts",
+                                           "eplb")
+    eplb_policy: Literal["auto", "hierarchical", "global"] = knob(
+        "auto", "auto = hierarchical when the groups divide over the nodes, else global", "eplb")
+    eplb_ep_size: int = knob(1, "simulated EP ranks: the slots cut into this many equal groups", "eplb")
+    eplb_num_groups: int = knob(1, "expert groups of group-limited routing (hierarchical policy)", "eplb")
+    eplb_num_nodes: int = knob(1, "nodes the ranks are spread over (hierarchical policy)", "eplb")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; see nanodspark.config.EngineConfig")
+            close = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+            raise TypeError(f"unknown engine option(s) {unknown}" + (f" ({hint})" if hint else "")
+                            + "; see nanodspark.config.EngineConfig")
         return cls(**kwargs)
 
     def __post_init__(self):
+        if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
+            self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            setattr(self, f.name, _conform(f.name, getattr(self, f.name), hints[f.name]))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
         from .verify import VerifyMode
         VerifyMode.parse(self.verify_mode)
         if not self.graph_batch_sizes or min(self.graph_batch_sizes) < 1:
@@ -467,30 +509,27 @@ class EngineConfig:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
             raise ValueError("max_num_seqs must be positive and max_num_batched_tokens positive or 0 (auto)")
+        if min(self.num_kv_blocks, self.kv_cache_memory_gb, self.max_model_len, self.max_waiting, self.gamma) < 0:
+            raise ValueError("num_kv_blocks, kv_cache_memory_gb, max_model_len, max_waiting and gamma must be >= 0")
+        if not 0 < self.kv_memory_fraction <= 1 or self.cpu_kv_blocks < 1:
+            raise ValueError("kv_memory_fraction must be in (0, 1] and cpu_kv_blocks positive")
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1 or \
                 self.tensor_parallel_size % self.expert_parallel_size:
             raise ValueError("tensor_parallel_size and expert_parallel_size must be positive, and the expert "
                              "parallel size must divide the tensor parallel size")
-        if self.dist_backend not in ("auto", "gloo", "nccl") or self.dist_timeout_s <= 0:
-            raise ValueError("dist_backend must be auto, gloo or nccl, and dist_timeout_s positive")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be positive")
         if self.eplb_interval < 0 or self.eplb_window < 1 or self.eplb_num_redundant_experts < 0:
             raise ValueError("eplb_interval must be >= 0, eplb_window >= 1 and eplb_num_redundant_experts >= 0")
         if min(self.eplb_ep_size, self.eplb_num_groups, self.eplb_num_nodes) < 1:
             raise ValueError("eplb_ep_size, eplb_num_groups and eplb_num_nodes must be positive")
-        if self.eplb_policy not in ("auto", "hierarchical", "global"):
-            raise ValueError(f"eplb_policy must be auto, hierarchical or global, not {self.eplb_policy!r}")
-        if self.eplb and self.eplb_interval and not self.eplb_record:
-            raise ValueError("rebalancing (eplb_interval > 0) needs the recorder (eplb_record=True)")
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant runs in one process: an all-reduce's order of summation is the "
                              "collective library's, not fixed here (tensor_parallel_size must be 1)")
         if self.eplb and self.tensor_parallel_size > 1:
             raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
                              "tensor_parallel_size > 1 yet")
-        if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
-            self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
-        if self.swa_replay_tokens != "auto" and (not isinstance(self.swa_replay_tokens, int)
-                                                 or self.swa_replay_tokens < 0):
+        if self.swa_replay_tokens != "auto" and self.swa_replay_tokens < 0:
             raise ValueError(f"swa_replay_tokens must be 0 (exact), a positive count or 'auto', "
                              f"not {self.swa_replay_tokens!r}")
         if self.swa_snapshots < 0 or self.swa_snapshot_ttl_s <= 0:
@@ -511,3 +550,60 @@ def pick_dtype(name: str, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _conform(name: str, value, tp):
+    """`value` as field `name` of type `tp` holds it, or a clear error naming the field: a
+    `TypeError` for the wrong kind of value, a `ValueError` for a value outside a `Literal`.
+    Lenient only where nothing is lost: an int for a float, a list for a tuple, a path for a str."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        for a in kinds:               # the first kind that takes the value as it is
+            try:
+                return _conform(name, value, a)
+            except (TypeError, ValueError):
+                pass
+        literal = next((a for a in kinds if typing.get_origin(a) is Literal), None)
+        if literal is not None and isinstance(value, str):
+            return _conform(name, value, literal)   # the Literal's own message
+        raise TypeError(f"{name} must be {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    if typing.get_origin(tp) is Literal:
+        if value in args and type(value) is type(args[0]):
+            return value
+        choices = ", ".join(repr(a) for a in args)
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{name} must be one of {choices}, not {value!r}")
+    if typing.get_origin(tp) is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{name} must be {_describe(tp)}, got {value!r}")
+        return tuple(_conform(name, v, args[0]) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+    elif tp is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+    else:
+        return value
+    raise TypeError(f"{name} must be {_describe(tp)}, got {value!r}")
+
+
+def _describe(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return f"a list of {_PLURAL.get(typing.get_args(tp)[0], 'values')}"
+    return {bool: "a bool", int: "an integer", float: "a number", str: "a string",
+            type(None): "None"}.get(tp, str(tp))
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}

@@ -437,16 +437,30 @@ class ExpertBalancer:
                     setattr(ex, name, torch.nn.Parameter(w[self.phy2log[l].to(w.device)].contiguous(),
                                                          requires_grad=False))
                 m = ReplicaMap(log2phy[l].to(self.device), logcnt[l].to(self.device), self.step,
-                               self.recorder.load[l], cfg.eplb_record)
+                               self.recorder.load[l])
                 self.maps.append(m)
                 moe.replicas = m
                 moe.expert_load = m.load          # the layer's counts, per physical slot
-                moe.record_load = cfg.eplb_record
+                moe.record_load = True
         g = self.moes[0].experts.gate_proj
         self.staging = torch.empty(g.numel(), dtype=g.dtype, device=g.device)   # one layer's weights
         self.steps = 0
         self.rebalances: list[dict] = []
         self._summary, self._pending = None, None
+
+    @property
+    def recording(self) -> bool:
+        return self.maps[0].record
+
+    def set_recording(self, on: bool) -> None:
+        """Count tokens per slot (the default) or only map them to replicas: a benchmark's control
+        (`bench eplb`), not a serving knob. The forward reads the choice when it is traced, so
+        CUDA graphs captured before must be captured again. Rebalancing needs the counts."""
+        if not on and self.interval:
+            raise ValueError("rebalancing (eplb_interval > 0) needs the recorder: recording can be "
+                             "turned off only with eplb_interval=0")
+        for m, moe in zip(self.maps, self.moes):
+            m.record = moe.record_load = on
 
     # -- the observer ---------------------------------------------------------------------
     def launched(self) -> None:

@@ -32,7 +32,7 @@ greedy output with rebalancing every `--engine-interval` steps (8 redundant slot
 against the engine without EPLB (must be identical), the wall time of each rebalance (read the
 window, place, move the weights, synchronise), and the decode step time (the steps after every
 request has been prefilled; recorder's `advance` included) of the engine without EPLB, with
-replica mapping only (`eplb_record=False`) and with mapping + recording (no redundant slot),
+replica mapping only (`ExpertBalancer.set_recording(False)`) and with mapping + recording (no redundant slot),
 over `--engine-repeats` interleaved runs in a rotating order (medians): the overhead of
 recording as a share of a decode step, and of EPLB's forward hooks in all.
 
@@ -41,6 +41,7 @@ JSON: hardware, versions, the exact command, every row. `--quick` is the bounded
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
@@ -173,6 +174,21 @@ def make_llm(args, **kw):
     return LLM(args.model, **cfg)
 
 
+def map_only_llm(args, **kw):
+    """An engine whose MoE layers map tokens to replicas without counting them (the control of the
+    recording overhead): recording is turned off on its balancer after construction, and its CUDA
+    graphs, which traced the recorder in, are captured again."""
+    llm = make_llm(args, eplb=True, eplb_interval=0, **kw)
+    llm.engine.eplb.set_recording(False)
+    graphs = llm.engine.executor.graphs
+    if graphs.graphs:
+        keys = sorted({variant for _, variant in graphs.graphs})
+        graphs.graphs.clear()          # freed here, not while the new ones are being captured
+        gc.collect()
+        graphs.capture(keys, progress=False)
+    return llm
+
+
 def record_default_target(args, llm) -> dict[str, torch.Tensor]:
     """Per-step logical load [steps, L, N] of the default target serving each workload, on an
     engine with the recorder on and no redundant slot (slot e = expert e)."""
@@ -287,7 +303,7 @@ def engine_part(args, recording) -> dict:
           f"max {out['rebalance_seconds']['max']} s", flush=True)
     del bal_llm
     # overhead: the same decode-heavy traffic on three engines, interleaved, medians
-    engines = {"off": ref, "map_only": make_llm(args, eplb=True, eplb_interval=0, eplb_record=False, **base),
+    engines = {"off": ref, "map_only": map_only_llm(args, **base),
                "map_and_record": recording}
     times = {k: [] for k in engines}
     for e in engines.values():

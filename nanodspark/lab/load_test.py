@@ -22,9 +22,10 @@ flat. This command checks all three from outside, as a client would, in five pha
    time to first token, output tokens/s, KV blocks still used when idle ("leaked"), resident
    memory (and device memory on CUDA) at start and end, written as JSON to `--out`.
 
-Memory comes from the server's own `/metrics` (`process_resident_memory_bytes`,
-`nanodspark_device_memory_bytes`); for a server that does not export them, `--server-pid` reads
-`/proc/PID/statm` instead (same machine only).
+Memory comes from the server's own `/metrics` (`process_resident_memory_bytes` of the API
+process, plus `nanodspark_engine_core_resident_memory_bytes` of the engine-core process when there
+is one, and `nanodspark_device_memory_bytes`); for a server that does not export them,
+`--server-pid` reads `/proc/PID/statm` instead (same machine only).
 
 Invariants
 ----------
@@ -128,11 +129,15 @@ def rss_from_pid(pid: int) -> int | None:
 
 
 async def memory(c: httpx.AsyncClient, opts: Options) -> dict:
+    """The server's memory: its API process (`process_resident_memory_bytes`) plus, when the engine
+    runs in a process of its own, the engine core (`nanodspark_engine_core_resident_memory_bytes`)."""
     m = await scrape(c)
-    rss = m.get("process_resident_memory_bytes")
+    api = m.get("process_resident_memory_bytes")
     if opts.server_pid is not None:
-        rss = rss_from_pid(opts.server_pid) or rss
-    return {"resident_bytes": rss,
+        api = rss_from_pid(opts.server_pid) or api
+    core = m.get("nanodspark_engine_core_resident_memory_bytes")
+    rss = api + core if api is not None and core is not None else api
+    return {"resident_bytes": rss, "api_resident_bytes": api, "core_resident_bytes": core,
             "device_allocated_bytes": m.get('nanodspark_device_memory_bytes{kind="allocated"}'),
             "device_reserved_bytes": m.get('nanodspark_device_memory_bytes{kind="reserved"}')}
 

@@ -3,21 +3,25 @@
 The idea
 --------
 Everything that serves requests over HTTP, and nothing the engine needs: the engine (the core,
-`nanodspark/*.py`) never imports this package. Four files, each readable on its own:
+`nanodspark/*.py`) never imports this package. Six files, each readable on its own:
 
 * `app.py`: **the handlers** (`OpenAIServer`, on the asyncio event loop), the input limits (body
-  size, prompt length, context) and the worker threads that parse and tokenize bodies,
+  size, prompt length, context), the API key, the worker threads that parse and tokenize bodies,
   `create_app` (routes, error handlers, the metrics middleware) and `HTTPServer` (uvicorn, with
   abort-on-shutdown).
-* `engine_loop.py`: **the engine thread** (`EngineLoop`), the only caller of the engine while
-  serving; each request's outputs go to its own asyncio queue (`Handle`).
-* `openai_api.py`: **the OpenAI shapes** as plain functions: `parse_json_body`, `parse_sampling`,
-  `check_context`, `get_field`, `message_text`, `usage_of`, `sse_event`, and the errors
-  (`APIError`, `bad_request`).
-* `metrics.py`: **Prometheus metrics** (`Metrics`), fed by the engine thread.
+* `outputs.py`: **the API side of a request** (`Handle`, `OutputProcessor`): token ids in; text,
+  stop strings, metrics and each request's asyncio queue out.
+* `engine_loop.py`: **the engine side** (`EngineLoop`), the only caller of the engine while
+  serving, token ids in and out (`StepOutputs`); in a thread, or in the engine core.
+* `core.py`: **the engine-core process** (`run_core`) and the API process's handle on it
+  (`CoreClient`): `serve.py` runs the engine there, apart from HTTP and text.
+* `openai_api.py`: **the OpenAI shapes** as plain functions: `parse_json_body`, `check_fields`,
+  `parse_sampling`, `check_context`, `get_field`, `message_text`, `usage_of`, `sse_event`, and
+  the errors (`APIError`, `bad_request`).
+* `metrics.py`: **Prometheus metrics** (`Metrics`), fed by the `OutputProcessor`.
 
-`serve.py` at the top of the repository is the command line: `create_app(engine)` and
-`HTTPServer(app).run()`.
+`serve.py` at the top of the repository is the command line: `CoreClient(model, config)`, then
+`create_app(core)` and `HTTPServer(app).run()`.
 
 Invariants
 ----------
@@ -25,11 +29,14 @@ Invariants
 * Importing this package needs the `serve` extra (fastapi, uvicorn, prometheus_client).
 """
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPARE_THREADS, HTTPServer, OpenAIServer, create_app
-from .engine_loop import ACCEPTED, EngineLoop, Handle
+from .core import CoreClient, CoreStartError
+from .engine_loop import EngineInfo, EngineLoop, EngineState, StepOutputs
 from .metrics import Metrics
-from .openai_api import (APIError, bad_request, check_context, get_field, message_text, parse_json_body,
-                         parse_sampling, sse_event, usage_of)
+from .openai_api import (APIError, bad_request, check_context, check_fields, get_field, message_text,
+                         parse_json_body, parse_sampling, sse_event, usage_of)
+from .outputs import ACCEPTED, Handle, OutputProcessor
 
-__all__ = ["ACCEPTED", "APIError", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS", "EngineLoop", "HTTPServer",
-           "Handle", "Metrics", "OpenAIServer", "bad_request", "check_context", "create_app", "get_field",
+__all__ = ["ACCEPTED", "APIError", "CoreClient", "CoreStartError", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS",
+           "EngineInfo", "EngineLoop", "EngineState", "HTTPServer", "Handle", "Metrics", "OpenAIServer",
+           "OutputProcessor", "StepOutputs", "bad_request", "check_context", "check_fields", "create_app", "get_field",
            "message_text", "parse_json_body", "parse_sampling", "sse_event", "usage_of"]

@@ -1,62 +1,45 @@
-"""An OpenAI-compatible HTTP server around one `LLMEngine` (walkthrough chapter 08).
+"""An OpenAI-compatible HTTP server around one engine (walkthrough chapter 08).
 
 The idea
 --------
-`LLMEngine` is not thread-safe, and one `step()` can take a while, so it must never run on the
-asyncio event loop that serves HTTP. The server therefore has two sides that talk only through
-queues, and three files:
+`LLMEngine` is not thread-safe, and one `step()` can take a while, so it never runs on the
+asyncio event loop that serves HTTP. The engine side (`EngineLoop`, engine_loop.py) owns the
+engine and speaks token ids only, in the engine-core process (`CoreClient`, core.py: `serve.py`'s
+default) or in a thread of this process (`create_app(engine)`: the tests, `--single-process`).
+This side does the rest. The handlers (FastAPI, on the event loop) read the body (at most
+`max_body_bytes`, else 413), hand it to a small pool of worker threads that parses, checks and
+tokenizes it (`_prepare_completion`, `_prepare_chat`; the OpenAI shapes are openai_api.py's),
+`submit` it and `await` its `Handle`'s queue, which `OutputProcessor` (outputs.py) fills with an
+acceptance (or a 400/429 refusal), then text, then the finish. A streaming handler turns each
+output into a server-sent event; a plain one collects them into one JSON answer. `create_app`
+wires the routes (with `/version`, `/tokenize`, `/detokenize`), the API key, the error handlers
+and the metrics middleware; `HTTPServer` runs the app with uvicorn.
 
-* `engine_loop.py`: **the engine thread** (`EngineLoop`) owns the engine. Commands come in
-  through an inbox; each request's outputs go out to its own asyncio queue (its `Handle`).
-* `openai_api.py`: **the OpenAI shapes**: validation of request bodies into `SamplingParams`,
-  chat messages, response chunks, server-sent events and errors (`APIError`). No thread, no app.
-* this file: **the handlers** (FastAPI, on the event loop) read the body (at most
-  `max_body_bytes`, else 413), hand it to a small pool of worker threads that parses, checks,
-  validates and tokenizes it (`_prepare_completion`, `_prepare_chat`), put an `add` command in
-  the inbox and `await` their queue: first an acceptance (or the engine's refusal, which becomes
-  a 400/429), then outputs. A streaming handler turns each output into a server-sent event; a
-  plain one collects them into one JSON answer. Nothing on the event loop blocks: the only lock
-  it takes is the inbox's, held for an append. `create_app` wires the routes, the error handlers
-  and the metrics middleware; `HTTPServer` runs the app with uvicorn.
+Limits (chapter 08 lists them), each checked before the work it protects: the body's size (413;
+the bodies held at once are bounded too, else 429); the JSON's depth and text (400,
+`parse_json_body`); a text prompt longer in characters than the context can hold in tokens (400,
+not tokenized); prompt + `max_tokens` over the context (400 with the arithmetic). Tokenizing
+runs in the pool with the interpreter lock released (`Tokenizer.encode_releasing_gil`).
 
-Limits (chapter 08, section 9). Every bound is checked before the work it protects:
-
-* the body: `Content-Length` (or the bytes read so far) over `max_body_bytes` -> 413 before the
-  body is kept; the bodies held at once (read, or waiting for a worker) are bounded too
-  (`BODY_BUDGET_FACTOR` x `max_body_bytes`, else 429), so a burst of large bodies cannot grow the
-  process without bound;
-* the JSON: not JSON, nested deeper than `MAX_JSON_DEPTH`, or holding a lone surrogate -> 400
-  (`openai_api.parse_json_body`);
-* a text prompt: more characters than `max_model_len * tokenizer.longest_token_chars` -> 400
-  without tokenizing it (no such text can fit the context); otherwise it is tokenized in the pool
-  with the interpreter lock released (`Tokenizer.encode_releasing_gil`), so a long prompt stalls
-  neither the event loop (`/health`, other streams) nor the engine thread;
-* prompt + `max_tokens` over the context -> 400 with the arithmetic (`check_context`).
-
-The knobs are server-only, so they are arguments of `create_app` and flags of `serve.py`
-(`--max-body-bytes`, `--prepare-threads`), not fields of `EngineConfig`.
-
-Abort. A client that goes away mid-stream cancels the response task; `_Stream.__call__` catches
-that in a `finally` and sends `abort` to the engine thread, which frees the request's KV blocks.
-A non-streaming handler polls `request.is_disconnected()` while it waits. Shutdown (uvicorn's
-SIGINT/SIGTERM handling through `HTTPServer`) first aborts every request, so open streams end at
-once; then the app's lifespan exit stops the engine thread and joins it.
+Abort: a client that goes away mid-stream cancels the response task; `_Stream.__call__` sends
+`abort` in a `finally`; a non-streaming handler polls `request.is_disconnected()`. Shutdown
+(`HTTPServer`) first aborts every request, then the lifespan exit stops the engine side. With
+an API key every `/v1` route wants `Authorization: Bearer KEY` (else 401); `/health`,
+`/metrics`, `/version`, `/tokenize` and `/detokenize` stay open, as vLLM's do.
 
 Invariants
 ----------
-* Handlers use nothing of the engine but immutable facts read before the engine thread starts
-  (the tokenizer, the context and KV limits); after that only the engine thread calls it.
-* `inflight` (requests between acceptance and their handler's end) is changed only on the event
-  loop, exactly once up and once down per accepted request; beyond `max_queue` new requests get
-  429 before they reach the engine.
+* Handlers use nothing of the engine but `EngineInfo`, read before the engine side starts; the
+  tokenizer is this process's own. Worker threads never touch the engine side or a `Handle`.
+* `inflight` (requests between acceptance and their handler's end) changes only on the event
+  loop, once up and once down per accepted request; beyond `max_queue`, 429 before the engine.
 * Every error, ours or FastAPI's, is answered in the OpenAI shape (`APIError`); a malformed
   request never reaches the generic 500 handler, so its keep-alive connection stays open.
-* The worker threads read only immutable facts of the server (limits, tokenizer); they never
-  touch the engine, the inbox or a `Handle`.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -71,10 +54,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..sampling import SamplingParams
-from .engine_loop import EngineLoop, Handle
+from .core import CoreClient
+from .engine_loop import EngineInfo, EngineLoop
 from .metrics import Metrics
-from .openai_api import (APIError, bad_request, check_context, get_field, message_text, parse_json_body,
-                         parse_sampling, requested_max_tokens, sse_event, usage_of)
+from .openai_api import (APIError, bad_request, check_context, check_fields, get_field, message_text,
+                         parse_json_body, parse_sampling, requested_max_tokens, sse_event, usage_of)
+from .outputs import Handle, OutputProcessor
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS", "HTTPServer", "OpenAIServer", "create_app"]
 
@@ -141,19 +126,25 @@ class OpenAIServer:
     DISCONNECT_POLL_S = 0.5   # how often a non-streaming handler checks for a gone client
 
     def __init__(self, engine, model_name: str, max_queue: int = 0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS,
+                 api_key: str | None = None):
         if max_body_bytes < 1 or prepare_threads < 1:
             raise ValueError("max_body_bytes and prepare_threads must be positive")
-        self.engine = engine
+        if isinstance(engine, CoreClient):   # the engine in its own process (serve.py)
+            self.engine, self.loop = None, engine
+            self.info, self.tokenizer = engine.info, engine.tokenizer
+        else:                                # an LLMEngine, driven by a thread of this process
+            self.engine, self.loop = engine, EngineLoop(engine)
+            self.info, self.tokenizer = EngineInfo.of(engine), engine.tokenizer
+        info = self.info
         self.model_name = model_name
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.api_key = api_key
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         # The longest prompt + output the KV cache can ever hold (add_request refuses more);
-        # it bounds the default max_tokens of chat. Read once, before the engine thread starts.
-        kv_tokens = min(bm.num_blocks for bm in engine.scheduler.managers.values()) * engine.config.block_size
-        self.max_request_tokens = min(self.max_model_len, kv_tokens - engine.decode_rows)
-        self.max_queue = max_queue or engine.config.max_num_seqs + engine.config.max_waiting
+        # it bounds the default max_tokens of chat.
+        self.max_request_tokens = info.max_request_tokens
+        self.max_queue = max_queue or info.max_num_seqs + info.max_waiting
         # Input limits: a text with more characters than this has more tokens than the context
         # (None: the tokenizer gives no bound on the characters of one token).
         longest = getattr(self.tokenizer, "longest_token_chars", None)
@@ -166,9 +157,9 @@ class OpenAIServer:
         if self.tokenizer is not None:
             self._encode = getattr(self.tokenizer, "encode_releasing_gil", None) or self.tokenizer.encode
         self.pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="nanodspark-prepare")
-        self.metrics = Metrics(device=getattr(engine, "device", None))
+        self.metrics = Metrics()
         self.metrics.track_inflight(lambda: self.inflight)
-        self.loop = EngineLoop(engine, self.metrics)
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics, self.loop.abort)
         self.inflight = 0
         self.closing = False
         self.created = int(time.time())
@@ -231,12 +222,13 @@ class OpenAIServer:
             self.held_body_bytes -= len(raw)
 
     # -- request flow: the worker threads ---------------------------------------------------------
-    def _body(self, raw: bytes) -> dict:
+    def _body(self, raw: bytes, endpoint: str) -> dict:
         body = parse_json_body(raw)
         model = get_field(body, "model", "str")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        check_fields(body, endpoint)
         return body
 
     def _check_chars(self, n: int, param: str) -> None:
@@ -277,7 +269,7 @@ class OpenAIServer:
         return _Prepared(ids, params, stream, include_usage, limit_param)
 
     def _prepare_completion(self, raw: bytes) -> _Prepared:
-        body = self._body(raw)
+        body = self._body(raw, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
@@ -300,7 +292,7 @@ class OpenAIServer:
         return self._finish(ids, checked, "prompt", self.max_model_len)
 
     def _prepare_chat(self, raw: bytes) -> _Prepared:
-        body = self._body(raw)
+        body = self._body(raw, "chat")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -325,11 +317,12 @@ class OpenAIServer:
                            "rate_limit_error")
         # What the engine may still refuse after our checks (a request the KV cache can never
         # hold) is about the output limit: its 400 names that field.
-        h = Handle(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop(), refusal_param=prep.limit_param,
-                   stream=prep.stream)
+        h = Handle(f"{prefix}-{uuid.uuid4().hex}", prep.params, len(prep.ids), prep.stream,
+                   refusal_param=prep.limit_param)
         self.inflight += 1
         try:
-            self.loop.submit(h, prep.ids, prep.params)
+            self.outputs.register(h)
+            self.loop.submit(h.request_id, prep.ids, prep.params)
             first = await h.queue.get()
         except BaseException:
             self._close(h)
@@ -346,7 +339,7 @@ class OpenAIServer:
             return
         h.closed = True
         self.inflight -= 1
-        if not h.finished:
+        if not (h.finished or h.ended):
             self.loop.abort(h.request_id)
 
     async def _collect(self, request: Request, h: Handle) -> tuple[str, object]:
@@ -449,11 +442,73 @@ class OpenAIServer:
         data, ctype = self.metrics.render()
         return Response(data, media_type=ctype)
 
+    @staticmethod
+    def version():
+        return {"version": package_version()}
+
+    # -- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------
+    async def tokenize(self, request: Request):
+        return await self._prepare(request, self._tokenize_body)
+
+    async def detokenize(self, request: Request):
+        return await self._prepare(request, self._detokenize_body)
+
+    def _tokenize_body(self, raw: bytes) -> dict:
+        body = self._body(raw, "tokenize")
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json", "prompt")
+        if ("prompt" in body) == ("messages" in body):
+            raise bad_request("send either 'prompt' (a string) or 'messages' (a chat)", "prompt")
+        special = get_field(body, "add_special_tokens", "bool")
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+            messages = [message_text(m, i) for i, m in enumerate(messages)]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=get_field(body, "add_generation_prompt", "bool", True))
+            param, special = "messages", bool(special)    # a chat template writes its own special tokens
+        else:
+            text = get_field(body, "prompt", "str")
+            if text is None:
+                raise bad_request("'prompt' must be a string", "prompt")
+            self._check_chars(len(text), "prompt")
+            param, special = "prompt", special is not False  # vLLM's default: True
+        if special:
+            ids = self.tokenizer.tok.encode(text, add_special_tokens=True).ids
+        else:
+            ids = self._tokenize(text, param)
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+        if get_field(body, "return_token_strs", "bool", False):
+            out["token_strs"] = [self.tokenizer.tok.id_to_token(i) for i in ids]
+        return out
+
+    def _detokenize_body(self, raw: bytes) -> dict:
+        body = self._body(raw, "detokenize")
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json", "tokens")
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_request("'tokens' must be a list of token ids", "tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}   # as vLLM's
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("nanodspark")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        return "unknown"
+
 
 class HTTPServer(uvicorn.Server):
     """uvicorn's server for an app from `create_app`: on shutdown (SIGINT, SIGTERM or
     `should_exit`) it first aborts every request, then lets uvicorn close the connections and run
-    the lifespan exit, which joins the engine thread. `on_ready()` runs once the socket is bound."""
+    the lifespan exit, which stops the engine side. `on_ready()` runs once the socket is bound."""
 
     def __init__(self, app: FastAPI, on_ready=None, **config):
         super().__init__(uvicorn.Config(app, **config))
@@ -475,23 +530,46 @@ class HTTPServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class _APIKey:
+    """ASGI middleware: every `/v1` route wants `Authorization: Bearer <key>`; 401 otherwise."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                                    "with the key the server was started with (serve.py --api-key)",
+                               "invalid_request_error", code="invalid_api_key")
+                return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS) -> FastAPI:
-    """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread (and the
-    worker threads that prepare request bodies)."""
-    server = OpenAIServer(engine, model_name, max_queue, max_body_bytes, prepare_threads)
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS,
+               api_key: str | None = None) -> FastAPI:
+    """A FastAPI app serving `engine`: an `LLMEngine` (driven by a thread of this process) or a
+    ready `CoreClient` (the engine-core process). Its lifespan starts and stops the engine side
+    (and the worker threads that prepare request bodies)."""
+    server = OpenAIServer(engine, model_name, max_queue, max_body_bytes, prepare_threads, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.loop.start()
+        server.loop.start(server.outputs.on_batch, asyncio.get_running_loop())
         try:
             yield
         finally:
             server.pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(server.loop.stop)
+            server.outputs.close(APIError(503, "the server is shutting down", "server_error"))
 
     app = FastAPI(title="nanodspark", lifespan=lifespan)
     app.state.server = server
+    if api_key:
+        app.add_middleware(_APIKey, key=api_key)
     app.add_middleware(_CountRequests, metrics=server.metrics)
 
     @app.exception_handler(APIError)
@@ -513,4 +591,7 @@ def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.render_metrics, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

@@ -1,243 +1,381 @@
-"""The engine thread: the only caller of the engine while serving (walkthrough chapter 08).
+"""The engine side of the server: one loop owns the engine, token ids in and out (chapter 08).
 
 The idea
 --------
-`LLMEngine` is not thread-safe, and one `step()` can take a while, so it must never run on the
-asyncio event loop that serves HTTP. `EngineLoop` owns a `threading.Thread` that owns the engine,
-and the HTTP side talks to it only through queues:
+`LLMEngine` is not thread-safe, and one `step()` can take a while, so it runs in a loop of its
+own (`EngineLoop`) that is its only caller while serving. The loop speaks token ids only: the
+API side (`outputs.py`) tokenizes, detokenizes and checks stop strings, so the step's thread
+never waits for text, JSON or a client.
 
-* **In: the inbox**, a `deque` guarded by a `threading.Condition`. `submit`, `abort` and
-  `abort_all` append a command (`add`, `abort`, `abort_all`) and notify; the event loop holds the
-  lock only for that append. The thread drains the whole inbox, runs `engine.step()` while there
-  is work, and otherwise sleeps on the condition.
-* **Out: one `asyncio.Queue` per request**, inside its `Handle`. Every `RequestOutput` is put
-  there with `loop.call_soon_threadsafe` (the only safe way to touch asyncio objects from
-  another thread). A request's queue gets first `ACCEPTED` or the engine's refusal (an
-  `APIError`: 400 for a `ValueError`, 429 for an `OverflowError`), then its outputs that carry
-  text, then exactly one finished output.
+* **In: the inbox**, a `deque` guarded by a `threading.Condition`. `submit`, `abort`, `abort_all`
+  and `stop` append a command and notify. The loop drains the whole inbox, runs `engine.step()`
+  while there is work, and otherwise sleeps on the condition.
+* **Out: one `StepOutputs` per step**, through `emit`: the requests admitted or refused, each
+  request's new token ids (one flat array), its speculative counters, its finish, and now and
+  then the engine's state for `/metrics` (`EngineState`, at most every `STATE_INTERVAL_S` and
+  whenever the engine goes idle). A finished request is released at once: the engine forgets it.
 
-Failures. A request the engine finishes with reason `"error"` (its own fault, e.g. logits that
-are not finite: the engine isolates it and the batch goes on) gets a 500 of its own, with the
-engine's reason. A step that raises is an engine-wide fault: every request in flight gets a 500
-(through `engine.fail_all` where the engine has it, which also resets its device state) and the
-thread keeps serving new requests — unless the error is `fatal` (a lost tensor-parallel worker,
-distributed.py): then the thread ends and `on_fatal` stops the server. On `stop()` (the app's
-lifespan exit) the thread aborts everything still known, answers queued `add`s with 503, and is
-joined.
+Where the loop runs is the caller's choice: in a thread of the server's process (`start()`,
+`serve.py --single-process`, the tests), or as the main loop of the engine-core process
+(`core.py`), whose reader thread fills the same inbox from a pipe.
+
+Failures. A request the engine finishes with reason `"error"` is passed on like any finish (the
+API side answers it with its own 500). A step that raises is an engine-wide fault: every request
+in flight is failed (`engine.fail_all`, which also resets the device state) and the loop keeps
+serving, unless the error is `fatal` (a lost tensor-parallel worker, distributed.py): then
+`run()` raises. On `stop()` the loop aborts what is left and emits `closing` (503).
 
 Invariants
 ----------
-* Only the engine thread calls the engine after `start()`.
-* Every accepted request ends with exactly one finished output on its queue (stop, length or
-  abort) or an error item, and is released by the engine thread right after, so the engine
-  forgets it.
-* `_handles` is touched only by the engine thread; the event loop touches only the inbox.
+* Only the loop calls the engine after it starts; other threads touch only the inbox.
+* Every admitted request gets exactly one finish in some `StepOutputs` (stop, length, abort,
+  error), or a `failed` entry, or the final `closing`.
+* Requests go to the engine without stop strings and with `stream_text=False`: the engine
+  itself never streams text.
 """
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
+import os
 import threading
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..request import SpecStats
 from ..sampling import SamplingParams
-from .metrics import Metrics
-from .openai_api import APIError, bad_request
 
-# The engine thread is part of the server, so it logs under the server's name: one logger
-# filters everything the server says.
 log = logging.getLogger("nanodspark.server")
 
-
-ACCEPTED = "accepted"  # first item on a request's queue when the engine took it
-
-
-@dataclass(eq=False)
-class Handle:
-    """One request as the HTTP side sees it: its id and the queue its outputs arrive on."""
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    finished: bool = False        # its finished output (or an error) was consumed
-    closed: bool = False          # its handler is done with it
-    refusal_param: str | None = None  # the field a 400 from add_request names (the handler's checks came first)
-    stream: bool = True           # text every step (SSE); False: the whole text with the final output
+SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpecStats))   # steps, drafted, ... per row
 
 
+# ----------------------------------------------------------------------------- what crosses over
+@dataclass
+class EngineState:
+    """The engine's gauges for /metrics (a snapshot, sent now and then)."""
+    running: int
+    waiting: int
+    kv_usage: dict                          # group -> {used, free, total}
+    spec: dict | None = None                # SpecDecoder summary (acceptance, ECE, step times)
+    eplb: dict | None = None                # ExpertBalancer summary
+    device_memory: tuple[int, int] | None = None   # CUDA bytes (allocated, reserved)
+    resident_bytes: int | None = None       # the engine-core process's resident memory (core.py only)
+
+
+@dataclass
+class StepOutputs:
+    """What the loop sends the API side after a step (or a batch of commands): token ids, never
+    text. Row i is a request with new tokens or a finish; its tokens are
+    `token_ids[sum(num_tokens[:i]) : sum(num_tokens[:i + 1])]`."""
+    admitted: list[tuple] = field(default_factory=list)   # ("accepted", id) | ("refused", id, status, type, message)
+    request_ids: list[str] = field(default_factory=list)
+    num_tokens: array = field(default_factory=lambda: array("l"))
+    token_ids: array = field(default_factory=lambda: array("l"))
+    spec: array = field(default_factory=lambda: array("q"))   # len(SPEC_FIELDS) counters per row
+    finished: dict[int, tuple[str, str | None]] = field(default_factory=dict)   # row -> (reason, error)
+    failed: list[tuple[str, int, str, str]] = field(default_factory=list)       # (id, status, type, message)
+    state: EngineState | None = None
+    closing: tuple[int, str, str] | None = None   # the loop ended: (status, type, message) for the rest
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.request_ids or self.failed or self.state or self.closing)
+
+    def rows(self):
+        """(request id, new token ids, (reason, error) or None, spec counters) per row."""
+        n = len(SPEC_FIELDS)
+        start = 0
+        for i, rid in enumerate(self.request_ids):
+            end = start + self.num_tokens[i]
+            yield rid, self.token_ids[start:end].tolist(), self.finished.get(i), tuple(self.spec[i * n:(i + 1) * n])
+            start = end
+
+
+@dataclass
+class EngineInfo:
+    """What the API side needs to know of the engine, read once before the loop starts (and the
+    start-up summary)."""
+    model: str
+    max_model_len: int
+    vocab_size: int
+    max_request_tokens: int     # the longest prompt + output the KV cache can ever hold
+    max_num_seqs: int
+    max_waiting: int
+    device: str
+    dtype: str
+    drafter: str | None
+    gamma: int
+    block_size: int
+    kv_blocks: int              # per KV group
+    kv_groups: list[str]
+    graphs: int = 0             # CUDA graphs captured
+    graph_seconds: float = 0.0
+    world: int = 1              # tensor-parallel ranks
+    worker_pids: list[int] = field(default_factory=list)
+    load_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, engine, load_seconds: float = 0.0, model: str | None = None) -> "EngineInfo":
+        """`model`: the checkpoint directory, as the summary should name it."""
+        cfg = engine.config
+        model = model or str(engine.model_name)
+        kv_blocks = min(bm.num_blocks for bm in engine.scheduler.managers.values())
+        kv_tokens = kv_blocks * cfg.block_size
+        graphs = getattr(getattr(engine, "executor", None), "graphs", None)
+        drafter = getattr(engine, "drafter", None)
+        par = getattr(engine, "parallel", None)
+        return cls(
+            model=model, max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            max_request_tokens=min(engine.max_model_len, kv_tokens - engine.decode_rows),
+            max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
+            device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+            drafter=None if drafter is None else (cfg.drafter_path or os.path.join(model, "drafter")),
+            gamma=engine.gamma, block_size=cfg.block_size, kv_blocks=kv_blocks,
+            kv_groups=list(engine.scheduler.managers),
+            graphs=len(getattr(graphs, "graphs", None) or {}),
+            graph_seconds=float(getattr(graphs, "capture_seconds", 0.0) or 0.0),
+            world=par.world if par is not None else 1,
+            worker_pids=[p.pid for p in getattr(par, "procs", None) or []],
+            load_seconds=load_seconds)
+
+    def summary(self) -> list[str]:
+        """The start-up summary, a few log lines (as vLLM logs its own)."""
+        kv_tokens = self.kv_blocks * self.block_size
+        where = self.device if self.world == 1 else f"{self.world} {self.device.split(':')[0]} ranks (tensor parallel)"
+        lines = [f"model {self.model}: dtype {self.dtype}, device {where}, context {self.max_model_len} tokens",
+                 "drafter: none (speculation off)" if self.drafter is None else
+                 f"drafter {self.drafter}: gamma {self.gamma} (verify windows of {self.gamma + 1} rows)",
+                 f"KV cache: {self.kv_blocks} blocks of {self.block_size} tokens per group "
+                 f"({', '.join(self.kv_groups)}) = {kv_tokens:,} tokens; maximum concurrency for "
+                 f"{self.max_model_len}-token requests: {kv_tokens / self.max_model_len:.2f}x; "
+                 f"at most {self.max_num_seqs} running, {self.max_waiting} waiting",
+                 f"CUDA graphs: {self.graphs} captured in {self.graph_seconds:.1f} s" if self.graphs else
+                 "CUDA graphs: none (eager steps)",
+                 f"engine ready in {self.load_seconds:.1f} s"]
+        return lines
+
+
+def engine_params(params: SamplingParams) -> SamplingParams:
+    """What the engine gets: the same sampling, without stop strings (the API side checks them)."""
+    return dataclasses.replace(params, stop=[]) if params.stop else params
+
+
+# ----------------------------------------------------------------------------- the loop
 class EngineLoop:
-    """The one thread that owns the engine: commands in, `RequestOutput`s out."""
+    """The one loop that owns the engine: commands in, `StepOutputs` out (through `emit`)."""
 
-    def __init__(self, engine, metrics: Metrics):
-        self.engine, self.metrics = engine, metrics
+    STATE_INTERVAL_S = 0.05      # the engine's gauges go out at most this often while it is busy
+    STALL_WAIT_S = 0.005         # nothing could be scheduled: wait this long for a command
+
+    def __init__(self, engine, emit=None, own_process: bool = False):
+        self.engine = engine
+        self.emit = emit                          # StepOutputs -> None, called on the loop's thread
+        self.own_process = own_process            # report this process's memory (the engine core)
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._stopping = False
-        self._handles: dict[str, Handle] = {}   # engine thread only
-        self._thread = threading.Thread(target=self._run, name="nanodspark-engine", daemon=True)
-        self.error: BaseException | None = None  # set if the loop itself died
-        self.on_fatal = None                     # called (engine thread) after it died: HTTPServer exits
+        self._live: set[str] = set()              # admitted, not finished (loop only)
+        self._out = StepOutputs()
+        self._state_due = 0.0
+        self._dirty = True
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None   # set if the loop itself died
+        self.on_fatal = None                      # called (loop thread) after it died: HTTPServer exits
 
-    # -- called from the event loop ---------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float | None = 60) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
-
-    def submit(self, handle: Handle, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._send(("add", handle, prompt_ids, params))
+    # -- any thread -----------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.send(("add", request_id, prompt_ids, engine_params(params)))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self.send(("abort", request_id))
 
     def abort_all(self) -> None:
-        self._send(("abort_all",))
+        self.send(("abort_all",))
 
-    def _send(self, cmd: tuple) -> None:
+    def send(self, cmd: tuple) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
 
-    # -- the engine thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
+    def request_stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    # -- in a thread of the server's process (single-process mode) -------------------------------
+    def start(self, deliver=None, loop=None) -> None:
+        """Run the loop in a thread; `deliver(StepOutputs)` is called on the asyncio `loop`."""
+        if deliver is not None:
+            def emit(batch):
+                try:
+                    loop.call_soon_threadsafe(deliver, batch)
+                except RuntimeError:      # the event loop is closed: nobody is listening any more
+                    pass
+            self.emit = emit
+        self._thread = threading.Thread(target=self._run_thread, name="nanodspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 60) -> None:
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def _run_thread(self) -> None:
         try:
-            self._publish_state()
-            while True:
-                with self._cond:
-                    while not self._inbox and not self._stopping and not eng.has_unfinished():
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    cmds = list(self._inbox)
-                    self._inbox.clear()
-                for cmd in cmds:
-                    self._command(cmd)
-                if eng.has_unfinished():
-                    try:
-                        outs = eng.step()
-                    except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
-                        if getattr(e, "fatal", False):  # the engine cannot go on (a lost tensor-parallel rank)
-                            self._fail_all(APIError(500, f"engine stopped: {e}", "server_error"))
-                            raise
-                        log.exception("engine step failed")
-                        self._step_failed(f"engine step failed: {e}")
-                        outs = []
-                    self._publish_state()
-                    for out in outs:
-                        self._publish(out)
-                    if not outs and eng.has_unfinished():
-                        with self._cond:  # nothing could be scheduled this step: do not spin
-                            self._cond.wait(0.005)
-                else:
-                    self._publish_state()
+            self.run()
         except BaseException as e:  # noqa: BLE001 - report, then let /health say so
             log.exception("engine thread died")
             self.error = e
-        finally:
-            self._shutdown()
-            if self.error is not None and self.on_fatal is not None:
-                self.on_fatal(self.error)     # the server stops (HTTPServer)
+            self.close(500, f"engine stopped: {e}")
+            if self.on_fatal is not None:
+                self.on_fatal(e)      # the server stops (HTTPServer)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until `request_stop()`; raises on a fatal engine error (after which `close`)."""
+        eng = self.engine
+        stalled = False
+        self._flush()            # the gauges, before the first request
+        while True:
+            with self._cond:
+                if not self._inbox and not self._stopping:
+                    if stalled:
+                        self._cond.wait(self.STALL_WAIT_S)
+                    elif not eng.has_unfinished():
+                        self._cond.wait()
+                if self._stopping:
+                    break
+                cmds = list(self._inbox)
+                self._inbox.clear()
+            for cmd in cmds:
+                self._command(cmd)
+            stalled = False
+            if eng.has_unfinished():
+                try:
+                    outs = eng.step()
+                except Exception as e:  # a bug or an OOM in one step: fail its requests, keep serving
+                    if getattr(e, "fatal", False):  # the engine cannot go on (a lost tensor-parallel rank)
+                        raise
+                    log.exception("engine step failed")
+                    outs = self._step_failed(f"engine step failed: {e}")
+                for out in outs:
+                    self._row(out)
+                stalled = not outs and eng.has_unfinished()
+                self._dirty = True
+            self._flush()
+        self._command(("abort_all",))    # open streams end with finish_reason "abort"
+        self.close(503, "the server is shutting down")
+
+    def close(self, status: int, message: str) -> None:
+        """The loop is over: every request still open on the API side gets this error (after a
+        stop, none is left: `run` aborted them first), and the engine forgets them."""
+        for rid in list(self._live):
+            try:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            except Exception:  # noqa: BLE001 - the engine may be in trouble already
+                log.exception("abort of %s failed", rid)
+        self._live.clear()
+        self._out.closing = (status, "server_error", message)
+        self._flush(force_state=True)
 
     def _command(self, cmd: tuple) -> None:
         eng = self.engine
+        self._dirty = True
         if cmd[0] == "add":
-            _, h, prompt_ids, params = cmd
+            _, rid, prompt_ids, params = cmd
             try:
-                eng.add_request(prompt_ids, params, request_id=h.request_id, stream_text=h.stream)
+                eng.add_request(prompt_ids, params, request_id=rid, stream_text=False)
             except OverflowError as e:
-                return self._deliver(h, APIError(429, f"server busy: {e}", "rate_limit_error"))
+                return self._out.admitted.append(("refused", rid, 429, "rate_limit_error", f"server busy: {e}"))
             except ValueError as e:
-                return self._deliver(h, bad_request(str(e), h.refusal_param))
+                return self._out.admitted.append(("refused", rid, 400, "invalid_request_error", str(e)))
             except Exception as e:  # noqa: BLE001
                 log.exception("add_request failed")
-                return self._deliver(h, APIError(500, f"could not add the request: {e}", "server_error"))
-            self._handles[h.request_id] = h
-            self.metrics.request_started(h.request_id, h.arrival)
-            self._deliver(h, ACCEPTED)
+                return self._out.admitted.append(("refused", rid, 500, "server_error",
+                                                  f"could not add the request: {e}"))
+            self._live.add(rid)
+            self._out.admitted.append(("accepted", rid))
         else:  # "abort" one request, or "abort_all"
-            for rid in (cmd[1],) if cmd[0] == "abort" else list(self._handles):
+            for rid in (cmd[1],) if cmd[0] == "abort" else list(self._live):
                 out = eng.abort(rid)
                 if out is not None:
-                    self._publish(out)
+                    self._row(out)
 
-    def _publish(self, out, error: str | None = None) -> None:
-        self.metrics.on_output(out)
+    def _row(self, out) -> None:
+        """One `RequestOutput` into the outgoing arrays; a finished request is released."""
+        o = self._out
         if out.finished:
-            h = self._handles.pop(out.request_id, None)
+            o.finished[len(o.request_ids)] = (out.finish_reason, getattr(out, "error", None))
             self.engine.release(out.request_id)
-        else:
-            h = self._handles.get(out.request_id)
-        if h is None:
-            return
-        if out.finished and out.finish_reason == "error":   # the engine stopped this request alone
-            why = getattr(out, "error", None) or error or "the engine could not continue it"
-            self._deliver(h, APIError(500, f"the engine stopped this request: {why}", "server_error",
-                                      code="request_failed"))
-        elif out.text_delta or out.finished:  # handlers only need text
-            self._deliver(h, out)
+            self._live.discard(out.request_id)
+        o.request_ids.append(out.request_id)
+        o.num_tokens.append(len(out.new_token_ids))
+        o.token_ids.extend(out.new_token_ids)
+        spec = out.spec or {}
+        o.spec.extend([spec.get(k, 0) for k in SPEC_FIELDS])
 
-    def _step_failed(self, message: str) -> None:
-        """An engine-wide fault: every request in flight ends with a 500; new ones are served."""
+    def _step_failed(self, message: str) -> list:
+        """An engine-wide fault: every request in flight fails; new ones are served."""
+        outs = []
         fail_all = getattr(self.engine, "fail_all", None)
-        if fail_all is None:
-            return self._fail_all(APIError(500, message, "server_error"))
-        try:
-            outs = fail_all(message)
-        except Exception:  # noqa: BLE001 - fall back to aborting one by one
-            log.exception("fail_all failed")
-            return self._fail_all(APIError(500, message, "server_error"))
-        for out in outs:
-            self._publish(out, error=message)
-        self._fail_all(APIError(500, message, "server_error"))  # any the engine did not name
-
-    def _publish_state(self) -> None:
-        s = self.engine.scheduler
-        spec = self.engine.metrics.summary() if self.engine.metrics is not None else None
-        eplb = self.engine.eplb.summary() if self.engine.eplb is not None else None   # no sync
-        self.metrics.set_engine_state(len(s.running), len(s.waiting), self.engine.kv_usage(), spec, eplb)
-
-    def _fail_all(self, err: APIError) -> None:
-        for rid, h in list(self._handles.items()):
+        if fail_all is not None:
+            try:
+                outs = fail_all(message)
+            except Exception:  # noqa: BLE001 - fall back to aborting one by one
+                log.exception("fail_all failed")
+        named = {o.request_id for o in outs}
+        for rid in list(self._live - named):      # any the engine did not name
             try:
                 self.engine.abort(rid)
                 self.engine.release(rid)
             except Exception:  # noqa: BLE001 - the engine is already in trouble
                 log.exception("abort of %s failed", rid)
-            self.metrics.forget(rid)
-            self._deliver(h, err)
-        self._handles.clear()
+            self._live.discard(rid)
+            self._out.failed.append((rid, 500, "server_error", message))
+        return outs
 
-    def _shutdown(self) -> None:
-        """Abort everything still known, so that every waiting handler gets its end."""
-        for rid in list(self._handles):
+    def _flush(self, force_state: bool = False) -> None:
+        """Emit what this iteration produced, with the engine's state when it is due: every
+        `STATE_INTERVAL_S` while busy, and once whenever the engine has gone idle."""
+        now = time.monotonic()
+        idle = force_state or not self.engine.has_unfinished()
+        if force_state or (self._dirty and (idle or now >= self._state_due)):
             try:
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._publish(out)
-            except Exception:  # noqa: BLE001
-                log.exception("abort of %s at shutdown failed", rid)
-        self._fail_all(APIError(503, "the server is shutting down", "server_error"))
-        with self._cond:
-            for cmd in self._inbox:
-                if cmd[0] == "add":
-                    self._deliver(cmd[1], APIError(503, "the server is shutting down", "server_error"))
-            self._inbox.clear()
+                self._out.state = self._state()
+            except Exception:  # noqa: BLE001 - gauges are not worth a request: log, and go on
+                log.exception("reading the engine's state failed")
+            self._state_due, self._dirty = now + self.STATE_INTERVAL_S, False
+        if self._out:
+            out, self._out = self._out, StepOutputs()
+            if self.emit is not None:
+                self.emit(out)
 
-    @staticmethod
-    def _deliver(h: Handle, item) -> None:
-        try:
-            h.loop.call_soon_threadsafe(h.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+    def _state(self) -> EngineState:
+        eng = self.engine
+        s = eng.scheduler
+        dev = getattr(eng, "device", None)
+        memory = None
+        if getattr(dev, "type", None) == "cuda":
+            import torch
+            memory = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+        return EngineState(
+            len(s.running), len(s.waiting), eng.kv_usage(),
+            eng.metrics.summary() if eng.metrics is not None else None,
+            eng.eplb.summary() if getattr(eng, "eplb", None) is not None else None,   # no sync
+            memory, _resident_bytes() if self.own_process else None)
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

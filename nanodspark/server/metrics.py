@@ -4,27 +4,31 @@ The idea
 --------
 `Metrics` owns its *own* `CollectorRegistry`, so two servers in one process (the tests start
 several) never share or collide on a metric. Nothing reads engine internals behind the server's
-back: the engine thread feeds every `RequestOutput` to `on_output` and, after each loop
-iteration, the engine's queue lengths and KV usage to `set_engine_state`. The HTTP layer counts
-answered requests with `count_request`. `render()` returns the Prometheus text exposition.
+back: the API side's `OutputProcessor` (outputs.py, on the event loop, never on the engine's
+step) feeds each request's tokens to `on_tokens` and its end to `on_finish`, and every
+`EngineState` the engine side sends (queue lengths, KV usage, DSpark and EPLB summaries, device
+memory) to `set_engine_state`. The HTTP layer counts answered requests with `count_request`.
+`render()` returns the Prometheus text exposition.
 
 The process itself is measured too, so a load test can watch the server's memory from outside:
 prometheus_client's standard `process_*` series (`process_resident_memory_bytes`, CPU seconds,
-open file descriptors; Linux only) and, on CUDA, `nanodspark_device_memory_bytes` (allocated and
-reserved by torch's caching allocator), both read at scrape time. `nanodspark_requests_in_flight`
-is the server's own count of accepted requests whose handler has not ended (the `--max-queue`
-count): after a load it must return to 0, or a request is stuck.
+open file descriptors; Linux only) describe the API server's process, and
+`nanodspark_engine_core_resident_memory_bytes` the engine-core process (when the engine runs in
+one, core.py); on CUDA, `nanodspark_device_memory_bytes` (allocated and reserved by torch's
+caching allocator, in the engine's process). `nanodspark_requests_in_flight` is the server's own
+count of accepted requests whose handler has not ended (the `--max-queue` count): after a load
+it must return to 0, or a request is stuck.
 
-Speculative counters come from `RequestOutput.spec` (the request's `SpecStats` as a dict).
-Those are cumulative per request, so each output contributes the *difference* to the previous
-output of the same request. That keeps the counters live while a request runs and lets one
-verify step be recovered exactly: an output whose `steps` grew by one carries that step's window
-(`verified` grew by the window), which feeds the window histogram.
+Speculative counters come with every row of tokens (the request's `SpecStats`, cumulative).
+Each row contributes the *difference* to the previous row of the same request. That keeps the
+counters live while a request runs and lets one verify step be recovered exactly: a row whose
+`steps` grew by one carries that step's window (`verified` grew by the window), which feeds the
+window histogram.
 
 Invariants
 ----------
-* Per-request bookkeeping (`_live`) is touched only by the engine thread; an entry exists from
-  `request_started` until the request's finished output, then it is dropped.
+* Per-request bookkeeping (`_live`) is touched only by the event loop; an entry exists from
+  `request_started` until `on_finish` (or `forget`), then it is dropped.
 * Counters only grow; the τ gauge is committed / steps over every verify step seen so far.
 * Label sets are bounded: endpoints are a fixed list (anything else is `other`), KV groups come
   from the engine, finish reasons from the engine's few values (stop, length, abort, error).
@@ -32,13 +36,14 @@ Invariants
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-SPEC_KEYS = ("steps", "drafted", "verified", "accepted", "committed")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version", "/tokenize",
+             "/detokenize")
+SPEC_KEYS = ("steps", "drafted", "verified", "accepted", "committed")   # the first counters of a row's spec
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
@@ -52,22 +57,20 @@ class _Track:
     arrival: float
     first: float | None = None     # time of its first generated token
     last: float = 0.0              # time of its latest generated token
-    spec: dict = field(default_factory=dict)  # its SpecStats at the previous output
+    spec: tuple = (0,) * len(SPEC_KEYS)   # its SpecStats counters at the previous row
 
 
 class Metrics:
-    def __init__(self, prefix: str = "nanodspark", device=None):
+    def __init__(self, prefix: str = "nanodspark"):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)   # process_resident_memory_bytes and friends, at scrape time
         p = prefix + "_"
         self.in_flight = Gauge(p + "requests_in_flight", "Accepted requests whose handler has not ended",
                                registry=r)
-        if device is not None and getattr(device, "type", str(device)) == "cuda":
-            import torch
-            mem = Gauge(p + "device_memory_bytes", "Device memory held by torch (allocated, reserved)",
-                        ["kind"], registry=r)
-            mem.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
-            mem.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
+        self.device_memory = Gauge(p + "device_memory_bytes", "Device memory held by torch in the engine's "
+                                   "process (allocated, reserved); CUDA only", ["kind"], registry=r)
+        self.core_memory = None        # created by the first EngineState from an engine-core process
+        self._prefix = p
         # HTTP and request lifecycle
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
@@ -139,17 +142,16 @@ class Metrics:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    # -- called by the engine thread ------------------------------------------------------------
+    # -- called by the OutputProcessor (the event loop) --------------------------------------------
     def request_started(self, request_id: str, arrival: float) -> None:
         self._live[request_id] = _Track(arrival)
 
-    def on_output(self, out, now: float | None = None) -> None:
-        """Account one `RequestOutput` (new tokens, latency, speculative deltas, finish)."""
+    def on_tokens(self, request_id: str, n: int, spec: tuple = (), now: float | None = None) -> None:
+        """Account `n` new tokens of a request (latency) and its speculative counters so far."""
         now = time.monotonic() if now is None else now
-        t = self._live.get(out.request_id)
+        t = self._live.get(request_id)
         if t is None:  # a request the server did not announce: account it from now on
-            t = self._live[out.request_id] = _Track(now)
-        n = len(out.new_token_ids)
+            t = self._live[request_id] = _Track(now)
         if n:
             self.generation_tokens.inc(n)
             if t.first is None:
@@ -160,21 +162,25 @@ class Metrics:
                 for _ in range(n):
                     self.itl.observe(gap)
             t.last = now
-        self._spec_delta(t, out.spec or {})
-        if out.finished:
-            self.prompt_tokens.inc(out.num_prompt_tokens)
-            self.finished.labels(out.finish_reason or "unknown").inc()
-            self.e2e.observe(now - t.arrival)
-            del self._live[out.request_id]
+        if spec:
+            self._spec_delta(t, spec[:len(SPEC_KEYS)])
 
-    def _spec_delta(self, t: _Track, spec: dict) -> None:
-        delta = {k: spec.get(k, 0) - t.spec.get(k, 0) for k in SPEC_KEYS}
-        t.spec = {k: spec.get(k, 0) for k in SPEC_KEYS}
+    def on_finish(self, request_id: str, reason: str, num_prompt_tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        t = self._live.pop(request_id, None)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.finished.labels(reason or "unknown").inc()
+        if t is not None:
+            self.e2e.observe(now - t.arrival)
+
+    def _spec_delta(self, t: _Track, spec: tuple) -> None:
+        delta = dict(zip(SPEC_KEYS, (a - b for a, b in zip(spec, t.spec))))
+        t.spec = spec
         for k, d in delta.items():
             if d > 0:
                 self.spec[k].inc(d)
         steps = delta["steps"]
-        if steps > 0:  # normally one step per output; spread evenly if several were merged
+        if steps > 0:  # normally one step per row; spread evenly if several were merged
             for _ in range(steps):
                 self.window.observe(delta["verified"] / steps)
             self._tau_steps += steps
@@ -186,7 +192,8 @@ class Metrics:
         self._live.pop(request_id, None)
 
     def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict,
-                         spec_summary: dict | None = None, eplb_summary: dict | None = None) -> None:
+                         spec_summary: dict | None = None, eplb_summary: dict | None = None,
+                         device_memory: tuple[int, int] | None = None, core_resident_bytes: int | None = None) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         if spec_summary:
@@ -196,6 +203,14 @@ class Metrics:
         for group, u in kv_usage.items():
             self.kv_blocks.labels(group, "used").set(u["used"])
             self.kv_blocks.labels(group, "free").set(u["free"])
+        if device_memory is not None:
+            self.device_memory.labels("allocated").set(device_memory[0])
+            self.device_memory.labels("reserved").set(device_memory[1])
+        if core_resident_bytes is not None:
+            if self.core_memory is None:   # absent when the engine runs in the server's process
+                self.core_memory = Gauge(self._prefix + "engine_core_resident_memory_bytes",
+                                         "Resident memory of the engine-core process", registry=self.registry)
+            self.core_memory.set(core_resident_bytes)
 
     def _set_spec_summary(self, summary: dict) -> None:
         """Engine-level DSpark gauges (SpecDecoder.summary): per-position conditional acceptance,

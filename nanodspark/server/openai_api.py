@@ -7,7 +7,8 @@ become a checked JSON object (`parse_json_body`, `check_json`), how that object 
 validated `SamplingParams` (`parse_sampling`, field by field with `get_field`), how a chat
 message becomes `{role, content}` (`message_text`), when a prompt and its `max_tokens` do not fit
 the context (`check_context`), and how answers and errors are written back (`usage_of`,
-`sse_event`, `APIError`, `bad_request`). These are plain functions of their arguments, so they
+`sse_event`, `APIError`, `bad_request`), and which fields a request may hold at all (`FIELDS`,
+`check_fields`). These are plain functions of their arguments, so they
 can be read and tested without a server, an engine or an event loop; `app.py` calls them from
 its handlers (in a worker thread), and `engine_loop.py` hands `APIError`s to the handlers when
 the engine refuses or fails a request.
@@ -28,8 +29,10 @@ Invariants
   are written with ASCII escapes, so writing an error can never fail.
 * A `bool` is refused where a number is expected, although Python counts it as one:
   `"max_tokens": true` is a client bug.
-* A field we do not support (`n > 1`, `best_of`, `echo`, `logprobs`, the penalties, `logit_bias`,
-  `suffix`, `tools`) is refused with a 400, never silently ignored.
+* A field we do not read is refused with a 400 naming it, never silently ignored: `FIELDS` is
+  the one list per endpoint; `NEUTRAL_ONLY` fields (`n`, `best_of`, `echo`, `logprobs`, the
+  penalties, `min_p`, `repetition_penalty`, `logit_bias`, `suffix`, `tools`, `response_format`)
+  are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -178,27 +181,61 @@ def get_field(body: dict, name: str, kind: str, default=None):
     return v
 
 
+# ----------------------------------------------------------------------------- the accepted fields
+# The one list of what a request may hold. A field not listed for its endpoint is refused (400,
+# `param` naming it), never ignored. A field of NEUTRAL_ONLY is accepted only at its neutral
+# value (n=1, min_p=0, ...): to support one, read it in parse_sampling and move it to SAMPLING.
+SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos")
+
+
+def _off(v) -> bool:
+    return not v
+
+
+NEUTRAL_ONLY = {   # field: (its JSON kind, None = any; accepted values; why the others are refused)
+    "n": ("int", lambda v: v == 1, "only n=1 is supported"),
+    "best_of": ("int", lambda v: v == 1, "best_of is not supported"),
+    "echo": (None, _off, "echo is not supported"),
+    "logprobs": (None, _off, "logprobs are not supported"),
+    "top_logprobs": (None, _off, "logprobs are not supported"),
+    "presence_penalty": ("number", lambda v: v == 0, "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": ("number", lambda v: v == 0, "frequency_penalty is not supported (only 0)"),
+    "repetition_penalty": ("number", lambda v: v == 1, "repetition_penalty is not supported (only 1, no penalty)"),
+    "min_p": ("number", lambda v: v == 0, "min_p is not supported (only 0, off)"),
+    "logit_bias": (None, _off, "logit_bias is not supported"),
+    "suffix": (None, _off, "suffix is not supported"),
+    "tools": (None, _off, "tools are not supported"),
+    "functions": (None, _off, "tools are not supported"),
+    "response_format": ("dict", lambda v: v == {"type": "text"},
+                        'only response_format {"type": "text"} is supported: JSON mode and JSON schemas '
+                        "(constrained decoding) are not implemented"),
+}
+_GENERATE = ("model", "stream", "stream_options", "user") + SAMPLING + tuple(NEUTRAL_ONLY)
+FIELDS = {
+    "completions": _GENERATE + ("prompt",),
+    "chat": _GENERATE + ("messages",),
+    "tokenize": ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"),
+    "detokenize": ("model", "tokens"),
+}
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """400 for a field this endpoint does not read (`FIELDS`), naming it."""
+    allowed = FIELDS[endpoint]
+    for name in body:
+        if name not in allowed:
+            raise bad_request(f"unknown field {preview(name)}: this server does not read it, and refuses it rather "
+                              f"than ignore it (accepted: {', '.join(allowed)})", name, code="unknown_field")
+    get_field(body, "user", "str")      # an end-user id: accepted, not used
+
+
 def _reject_unsupported(body: dict) -> None:
-    n = get_field(body, "n", "int", 1)
-    if n != 1:
-        raise bad_request(f"only n=1 is supported, got n={n}", "n")
-    if get_field(body, "best_of", "int", 1) != 1:
-        raise bad_request("best_of is not supported", "best_of")
-    if body.get("echo"):
-        raise bad_request("echo is not supported", "echo")
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name):
-            raise bad_request("logprobs are not supported", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_field(body, name, "number", 0) != 0:
-            raise bad_request(f"{name} is not supported", name)
-    if body.get("logit_bias"):
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if body.get("suffix"):
-        raise bad_request("suffix is not supported", "suffix")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request("tools are not supported", name)
+    for name, (kind, neutral, why) in NEUTRAL_ONLY.items():
+        v = get_field(body, name, kind) if kind else body.get(name)
+        if v is not None and not neutral(v):
+            if name == "response_format" and "type" in v:
+                raise bad_request(f"{why}; got response_format.type={preview(v['type'])}", name)
+            raise bad_request(f"{why}; got {name}={preview(v)}", name)
 
 
 def requested_max_tokens(body: dict) -> tuple[str, int] | None:
