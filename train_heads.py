@@ -56,7 +56,6 @@ from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
-from nanodspark.lab.plots import save_reliability_png  # noqa: E402
 from nanodspark.lab.text_proxy import text_proxy  # noqa: E402
 from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
@@ -406,7 +405,13 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     d.sts_temperature.copy_(temps.float())
     d.sts_shift.copy_(torch.zeros_like(temps) if shifts is None else shifts.float())
     d.save(ddir, dtype=torch.bfloat16)
-    save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps, shifts=shifts)
+    try:
+        from nanodspark.lab import plots
+        plots.reliability(z_ev, y_ev, out / "reliability.png", valid=v_ev, temps=temps, shifts=shifts,
+                          caption=f"Held-out half of {out}/calibration_records.safetensors; "
+                                  f"written by: {' '.join(sys.argv)}")
+    except ModuleNotFoundError as e:      # the report has the numbers; the picture is optional
+        print(f"{out / 'reliability.png'} not drawn: {e}", flush=True)
     result.update(temperatures=result[args.sts]["temperatures"], shifts=result[args.sts]["shifts"],
                   after=result[args.sts]["after"], mean_ece_after=result[args.sts]["mean_ece_after"])
     return result

@@ -546,8 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_speed as bsp
     from . import bench_swa as bsw
     from . import bench_tp as btp
+    from . import figures as fg
     from . import timeline as tl
     for name, helptext, add_args, run in (
+            ("figures", "redraw every committed figure (benchmarks/*.png) from its data, no GPU",
+             fg.add_figures_args, fg.figures),
             ("timeline", "PNG of decode steps: host phases over GPU kernels, sync vs overlapped loop",
              tl.add_timeline_args, tl.timeline),
             ("tp", "tensor parallel decode tok/s (TP 1/2/4/8, random weights) and all-reduce time per step",
