@@ -241,26 +241,31 @@ def _non_negative(text: str) -> int:
 
 
 def add_dspark_args(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--cost-table", default=None)
+    p.add_argument("--model", default=None,
+                   help="target checkpoint directory with its drafter/; none: the shipped default pair")
+    p.add_argument("--cost-table", default=None,
+                   help="a `bench profile` table for the compact mode; none: compact keeps full blocks")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64, 128, 256],
                    help="the sweep's concurrencies; none (a bare --concurrency) runs only the mixed traffic")
-    p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"])
-    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"],
+                   help="workloads of the sweep (mix: the four, round-robin)")
+    p.add_argument("--min-requests", type=int, default=16,
+                   help="at least this many requests per point (more when the concurrency is larger)")
     p.add_argument("--repeats", type=int, default=3, help="runs per point; the median run is reported")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompts are cut to their last N tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--aa", action="store_true",
                    help="add an A/A control: a second static engine, reported as its paired ratio to static")
     p.add_argument("--no-trim", action="store_true",
                    help="also run compact with a guard no gain can pass (its overhead alone), paired with static")
-    p.add_argument("--mixed-concurrency", type=int, default=64)
+    p.add_argument("--mixed-concurrency", type=int, default=64, help="concurrency of the mixed-traffic table")
     p.add_argument("--mixed-requests", type=_non_negative, default=128,
                    help="requests of the mixed-traffic table (0: no mixed traffic, only the sweep)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--kv-gb", type=float, default=4.0)
-    p.add_argument("--out", default="")
+    p.add_argument("--data-dir", default=None,
+                   help="workload data; none: $NANODSPARK_DATA, else ../shared/data, else .carry/data")
+    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory per engine (GB)")
+    p.add_argument("--out", default="", help="JSON file for every row; X.json also writes X.png (none: print only)")
 
 
 # ----------------------------------------------------------------------------- Pareto plot

@@ -64,8 +64,8 @@ def timeline(args) -> dict:
     result = {"benchmark": "decode-step timeline (profiler trace)", "model": args.model or "default pair",
               "batch": args.batch, **environment(), "rows": rows,
               "lanes": "per loop: host phases (schedule blue, launch orange, wait grey, commit green) over GPU kernels (red)",
-              "gpu_busy": "the union of the kernel intervals over the span (JSONs written before this field: their sum, which "
-                          "counted nested profiler events twice)",
+              "gpu_busy": "the union of the kernel intervals over the span (JSONs written before this field: "
+                          "their sum, which counted nested profiler events twice)",
               "traces": traces}
     out.with_suffix(".json").write_text(json.dumps(result))
     try:
@@ -78,12 +78,15 @@ def timeline(args) -> dict:
 
 
 def add_timeline_args(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--drafter", default=None)
-    p.add_argument("--loops", nargs="+", default=["sync", "overlap"], choices=["sync", "overlap"])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--prompts", choices=("random", "mix"), default="random")
-    p.add_argument("--kv-gb", type=float, default=1.0)
-    p.add_argument("--out", default="timeline.png")
+    p.add_argument("--model", default=None, help="target checkpoint directory; none: the shipped default model")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory; none: the model's drafter/ if shipped; 'none': no speculation")
+    p.add_argument("--loops", nargs="+", default=["sync", "overlap"], choices=["sync", "overlap"],
+                   help="engine loops traced")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    p.add_argument("--steps", type=int, default=6, help="decode steps traced per loop")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--prompts", choices=("random", "mix"), default="random",
+                   help="random token ids, or the mixed workload's real prompts")
+    p.add_argument("--kv-gb", type=float, default=1.0, help="KV cache memory (GB)")
+    p.add_argument("--out", default="timeline.png", help="the PNG to write; the JSON of the intervals goes beside it")
