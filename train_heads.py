@@ -112,8 +112,8 @@ def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=
 
 
 CORPUS_DIRS = (ROOT / ".carry" / "corpus", ROOT / "build" / "corpus")   # where --corpus is looked for
-BUILD_CORPUS = ("python -m nanodspark.lab.recipes.corpus --out build/corpus   (chapter 04 §3: about 3 min, "
-                "downloads from PyPI and Debian, reads ../shared/data)")
+BUILD_CORPUS = ("python -m nanodspark.lab.recipes.corpus --out build/corpus   (about 3 min; it downloads from "
+                "PyPI and Debian)")
 
 
 def find_corpus(given: str | None, files: tuple[str, ...]) -> Path:
@@ -436,7 +436,7 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
         from nanodspark.lab import plots
         plots.reliability(z_ev, y_ev, out / "reliability.png", valid=v_ev, temps=temps, shifts=shifts,
                           caption=f"Held-out half of {out}/calibration_records.safetensors; "
-                                  f"written by: {' '.join(sys.argv)}")
+                                  f"written by: python {args.command}")
     except ModuleNotFoundError as e:      # the report has the numbers; the picture is optional
         print(f"{out / 'reliability.png'} not drawn: {e}", flush=True)
     result.update(temperatures=result[args.sts]["temperatures"], shifts=result[args.sts]["shifts"],
@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="corpus domains the training prompts come from, evenly (e.g. code for a code-heavy run)")
     ap.add_argument("--init", default=None,
                     help="start the DSpark drafter from this checkpoint instead of random weights (fine-tuning)")
-    ap.add_argument("--max-prompt-tokens", type=int, default=128, help="training prompts are cut to their last N tokens")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128,
+                    help="training prompts are cut to their last N tokens")
     ap.add_argument("--gen-tokens", type=int, default=160, help="tokens of each target response")
     ap.add_argument("--gen-batch", type=int, default=256, help="concurrent requests while the target answers")
     ap.add_argument("--gen-temperature", type=float, default=1.0,
@@ -517,7 +518,8 @@ def main(argv=None):
     phases = set(args.phases.split(","))
     unknown = phases - PHASES
     if unknown:
-        raise SystemExit(f"train_heads.py: unknown phase(s) {sorted(unknown)}; the phases are {', '.join(sorted(PHASES))}")
+        raise SystemExit(f"train_heads.py: unknown phase(s) {sorted(unknown)}; the phases are "
+                         f"{', '.join(sorted(PHASES))}")
     if args.write_prompt_corpus or phases & {"data", "proxy"}:
         wanted = tuple(f"{d}.txt.xz" for d in args.domains.split(",")) if args.write_prompt_corpus or "data" in phases \
             else tuple(f"{f}.txt.xz" for f in PROXY_DOMAINS.values())
@@ -534,6 +536,7 @@ def main(argv=None):
     tok = Tokenizer(args.target)
     # A run in several calls (phases) keeps every call's command line.
     command = " ".join(sys.argv if argv is None else ["train_heads.py", *argv])
+    args.command = command
     report = {"argv": command, "commands": load_report(out).get("commands", []) + [command],
               "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

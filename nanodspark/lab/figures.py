@@ -7,7 +7,7 @@ any machine and none is drawn by hand. The caption of each names the command tha
 data and the command that drew it.
 
 `kv_block_run` is the run behind the KV block figure: a real `BlockManager` (paged_kv.py) of 8
-blocks of 4 tokens going through the calls of chapter 02 §3 (a prompt, a prefix hit, a
+blocks of 4 tokens going through the calls the paged-KV chapter walks through (a prompt, a prefix hit, a
 speculative window reserved and rolled back, a sliding window's release, frees and a hit on a
 freed, still cached prefix), with the pool's invariants checked after every call.
 """
@@ -116,8 +116,9 @@ def draw(spec: FigureSpec, root: Path = Path("."), out_dir: Path | None = None):
     elif spec.kind == "kv-blocks":
         fig = plots.kv_blocks(kv_block_run(), out,
                               caption="Data: a real BlockManager (nanodspark/paged_kv.py), 8 blocks of 4 tokens, "
-                                      "run on the CPU by nanodspark/lab/figures.py kv_block_run: the calls of "
-                                      f"chapter 02 §3, the pool's invariants checked after each.\n{drawn}")
+                                      "run on the CPU by nanodspark/lab/figures.py kv_block_run: the calls the "
+                                      "paged-KV chapter walks through, the pool's invariants checked after each.\n"
+                                      + drawn)
     else:
         raise ValueError(f"unknown figure kind {spec.kind!r}")
     return out, fig

@@ -32,7 +32,8 @@ from pathlib import Path
 MISSING = 'figures need matplotlib, which is not installed: pip install -e ".[lab]"'
 MODE_STYLE = {"no-spec": ("#555555", "o", "no speculation"), "static": ("#d62728", "s", "static (full blocks)"),
               "compact": ("#1f77b4", "^", "compact (cost scheduler)"),
-              "compact-no-trim": ("#9467bd", "v", "compact, never trims"), "static-b": ("#ff7f0e", "D", "static, A/A copy")}
+              "compact-no-trim": ("#9467bd", "v", "compact, never trims"),
+              "static-b": ("#ff7f0e", "D", "static, A/A copy")}
 PHASE_COLOURS = {"schedule": "#1f77b4", "launch": "#ff7f0e", "wait": "#bbbbbb", "commit": "#2ca02c"}
 KERNEL_COLOUR = "#d62728"
 
@@ -307,7 +308,8 @@ def kv_blocks(snapshots: list[dict], path, *, caption: str | None = None, title:
     ax.set_xticks([b + 0.46 for b in range(n_blocks)], [str(b) for b in range(n_blocks)])
     ax.set_yticks([len(snapshots) - 0.5 - i for i in range(len(snapshots))], [s["call"] for s in snapshots],
                   fontsize=7.5)
-    ax.set_xlabel("physical block id (cell text: the tables that hold it; right: each table's block list, -1 = released)")
+    ax.set_xlabel("physical block id (cell text: the tables that hold it; right: each table's block list, "
+                  "-1 = released)")
     ax.set_ylabel("after the call")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
