@@ -188,7 +188,12 @@ def sandbox(tmp: Path) -> Path:
     for name in clone_entries():
         if (ROOT / name).exists():
             (repo / name).symlink_to(ROOT / name)
-    (repo / ".venv").symlink_to(Path(sys.prefix))
+    if sys.prefix != sys.base_prefix:                 # this interpreter's venv, as the README's activated .venv
+        (repo / ".venv").symlink_to(Path(sys.prefix))
+    else:                                             # no venv: a bin/ whose python is this interpreter
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        for name in ("python", "python3"):
+            (repo / ".venv" / "bin" / name).symlink_to(sys.executable)
     shared = shared_dir()
     if shared is not None:
         (tmp / "shared").symlink_to(shared)
@@ -203,6 +208,8 @@ def block_env(cwd: Path) -> dict:
                CUDA_VISIBLE_DEVICES="")           # the chapters' CPU commands: on a GPU machine they run on its CPU
     env.pop("TRITON_INTERPRET", None)             # as a reader's shell has it: kernels/ decides
     env.pop("PYTHONHOME", None)
+    for k in ("no_proxy", "NO_PROXY"):            # the chapters' servers are local: no proxy on the way
+        env[k] = ",".join(x for x in (env.get(k), "127.0.0.1", "localhost") if x)
     return env
 
 
@@ -251,6 +258,9 @@ def _port_busy(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))     # never through a proxy
+
+
 def start_server(b: Block, cwd: Path, log: Path) -> subprocess.Popen:
     """Run a `serves` block in the background until its /health answers 200."""
     port = _port(b)
@@ -263,7 +273,7 @@ def start_server(b: Block, cwd: Path, log: Path) -> subprocess.Popen:
         if proc.poll() is not None:
             raise AssertionError(f"{b.doc}:{b.line}: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
         with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc
         time.sleep(0.5)
