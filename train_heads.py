@@ -56,8 +56,7 @@ from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, survival)
 from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
-from nanodspark.lab.plots import save_reliability_png  # noqa: E402
-from nanodspark.lab.text_proxy import text_proxy  # noqa: E402
+from nanodspark.lab.text_proxy import PROXY_DOMAINS, text_proxy  # noqa: E402
 from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
 
@@ -65,6 +64,7 @@ LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec con
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
 TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill" with --domains (09 §4e)
+PHASES = {"data", "train", "dflash", "calibrate", "eval", "proxy"}
 
 
 # ----------------------------------------------------------------------------- 1. data
@@ -111,8 +111,31 @@ def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=
     return kept
 
 
+CORPUS_DIRS = (ROOT / ".carry" / "corpus", ROOT / "build" / "corpus")   # where --corpus is looked for
+BUILD_CORPUS = ("python -m nanodspark.lab.recipes.corpus --out build/corpus   (about 3 min; it downloads from "
+                "PyPI and Debian)")
+
+
+def find_corpus(given: str | None, files: tuple[str, ...]) -> Path:
+    """--corpus, or the first of CORPUS_DIRS holding any of `files`; a one-line SystemExit that says
+    how to build it when there is none (a fresh clone has no corpus: it is built, not committed)."""
+    if given:
+        if not any((Path(given) / f).exists() for f in files):
+            raise SystemExit(f"train_heads.py: {given} holds none of {', '.join(files)}; build the corpus "
+                             f"first: {BUILD_CORPUS}")
+        return Path(given)
+    for d in CORPUS_DIRS:
+        if any((d / f).exists() for f in files):
+            return d
+    raise SystemExit(f"train_heads.py: no corpus in .carry/corpus or build/corpus, and the data and proxy phases "
+                     f"read one; build it first: {BUILD_CORPUS}")
+
+
 def build_data(args, tok: Tokenizer) -> list[dict]:
     prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed, tuple(args.domains.split(",")))
+    if not prompts:
+        raise SystemExit(f"train_heads.py: no training prompt in {args.corpus} for --domains {args.domains} "
+                         "(no document longer than 80 characters)")
     llm = LLM(args.target, drafter_path="none", max_num_seqs=args.gen_batch, use_tqdm=True,
               max_num_batched_tokens=8192)
     params = SamplingParams(temperature=args.gen_temperature, top_p=args.gen_top_p, max_tokens=args.gen_tokens, seed=None)
@@ -120,6 +143,9 @@ def build_data(args, tok: Tokenizer) -> list[dict]:
     outs = llm.generate(ids, params)
     data = [{"prompt": p, "response": o.token_ids} for p, o in zip(ids, outs) if len(o.token_ids) >= 8]
     del llm
+    if not data:
+        raise SystemExit(f"train_heads.py: the target answered none of {len(prompts)} prompts with 8 tokens or more; "
+                         "nothing to train on (raise --gen-tokens, or check the target)")
     return data
 
 
@@ -406,34 +432,47 @@ def calibrate(args, ddir: Path, tok: Tokenizer, out: Path) -> dict:
     d.sts_temperature.copy_(temps.float())
     d.sts_shift.copy_(torch.zeros_like(temps) if shifts is None else shifts.float())
     d.save(ddir, dtype=torch.bfloat16)
-    save_reliability_png(out / "reliability.png", z_ev, y_ev, v_ev, temps, shifts=shifts)
+    try:
+        from nanodspark.lab import plots
+        plots.reliability(z_ev, y_ev, out / "reliability.png", valid=v_ev, temps=temps, shifts=shifts,
+                          caption=f"Held-out half of {out}/calibration_records.safetensors; "
+                                  f"written by: python {args.command}")
+    except ModuleNotFoundError as e:      # the report has the numbers; the picture is optional
+        print(f"{out / 'reliability.png'} not drawn: {e}", flush=True)
     result.update(temperatures=result[args.sts]["temperatures"], shifts=result[args.sts]["shifts"],
                   after=result[args.sts]["after"], mean_ece_after=result[args.sts]["mean_ece_after"])
     return result
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="Train, calibrate and evaluate a DSpark drafter.")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description="Train, calibrate and evaluate a DSpark drafter. The data phase reads a built corpus, "
+                    "which a fresh clone does not have: " + BUILD_CORPUS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default=None, help="target model dir (default: the embedded one)")
-    ap.add_argument("--corpus", default=str(ROOT / ".carry" / "corpus"), help="training text (*.txt.xz)")
+    ap.add_argument("--corpus", default=None,
+                    help="the built corpus (*.txt.xz): training prompts (data phase) and val_* text (proxy phase); "
+                         "default: .carry/corpus, else build/corpus")
     ap.add_argument("--data-dir", default=None, help="workload data (default: ../shared/data or .carry/data)")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "drafter"))
-    ap.add_argument("--phases", default="data,train,calibrate,eval")
-    ap.add_argument("--gamma", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--markov-rank", type=int, default=64)
+    ap.add_argument("--out", default="runs/drafter", help="output folder: data, drafters, report.json, reliability.png")
+    ap.add_argument("--phases", default="data,train,calibrate,eval",
+                    help="comma-separated, of data, train, dflash, calibrate, eval, proxy")
+    ap.add_argument("--gamma", type=int, default=5, help="block size: draft tokens per proposal")
+    ap.add_argument("--layers", type=int, default=2, help="drafter backbone layers")
+    ap.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head")
     ap.add_argument("--target-layers", default="",
                     help="comma-separated target layers the drafter reads (default: about n/4, n/2, n-2)")
-    ap.add_argument("--intermediate", type=int, default=640)
-    ap.add_argument("--n-prompts", type=int, default=4000)
+    ap.add_argument("--intermediate", type=int, default=640, help="drafter MLP width")
+    ap.add_argument("--n-prompts", type=int, default=4000, help="training prompts the target answers (data phase)")
     ap.add_argument("--domains", default=",".join(TRAIN_DOMAINS),
                     help="corpus domains the training prompts come from, evenly (e.g. code for a code-heavy run)")
     ap.add_argument("--init", default=None,
                     help="start the DSpark drafter from this checkpoint instead of random weights (fine-tuning)")
-    ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-tokens", type=int, default=160)
-    ap.add_argument("--gen-batch", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=128,
+                    help="training prompts are cut to their last N tokens")
+    ap.add_argument("--gen-tokens", type=int, default=160, help="tokens of each target response")
+    ap.add_argument("--gen-batch", type=int, default=256, help="concurrent requests while the target answers")
     ap.add_argument("--gen-temperature", type=float, default=1.0,
                     help="sampling temperature of the target's responses (1: the policy the drafter is served and calibrated at)")
     ap.add_argument("--gen-top-p", type=float, default=1.0, help="top-p of the target's responses")
@@ -450,28 +489,41 @@ def main(argv=None):
                     help="stop (and checkpoint) at this step without finishing the schedule: a pre-emption drill")
     ap.add_argument("--batch", type=int, default=32, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (warm-up, then cosine)")
     ap.add_argument("--calib-n", type=int, default=200,
                     help="prompts per workload for STS, at most all of it (half fit, half held out)")
     ap.add_argument("--calib-tokens", type=int, default=256, help="tokens generated per calibration prompt")
-    ap.add_argument("--calib-temperature", type=float, default=1.0)
+    ap.add_argument("--calib-temperature", type=float, default=1.0, help="sampling temperature while recording")
     ap.add_argument("--calib-records", default=None,
                     help="refit from a saved out/calibration_records.safetensors instead of decoding")
     ap.add_argument("--sts", choices=("shifted", "plain"), default="shifted",
                     help="ship STS with a logit shift per position (default) or the paper's plain STS")
     ap.add_argument("--eval-n", type=int, default=40, help="prompts per workload for tau (at most all of it)")
-    ap.add_argument("--eval-tokens", type=int, default=96)
+    ap.add_argument("--eval-tokens", type=int, default=96, help="tokens generated per eval prompt")
     ap.add_argument("--eval-workloads", default="math,chat,poetry,code", help="workloads of the eval phase")
     ap.add_argument("--code-prompts-as-shipped", action="store_true",
                     help="eval code on HumanEval's prompts with their trailing newline (09_results.md §4f)")
     ap.add_argument("--proxy-n", type=int, default=100, help="documents per workload for the text proxy")
     ap.add_argument("--proxy-tokens", type=int, default=384, help="tokens per document for the text proxy")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of prompts, anchors, splits and sampling")
     ap.add_argument("--write-prompt-corpus", default=None, metavar="DIR",
                     help="only write a small copy of --corpus for training prompts to DIR, then exit")
     ap.add_argument("--prompt-corpus-docs", type=int, default=5000, help="documents per domain it keeps")
     ap.add_argument("--prompt-corpus-chars", type=int, default=6000, help="characters per document it keeps")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    phases = set(args.phases.split(","))
+    unknown = phases - PHASES
+    if unknown:
+        raise SystemExit(f"train_heads.py: unknown phase(s) {sorted(unknown)}; the phases are "
+                         f"{', '.join(sorted(PHASES))}")
+    if args.write_prompt_corpus or phases & {"data", "proxy"}:
+        wanted = tuple(f"{d}.txt.xz" for d in args.domains.split(",")) if args.write_prompt_corpus or "data" in phases \
+            else tuple(f"{f}.txt.xz" for f in PROXY_DOMAINS.values())
+        args.corpus = str(find_corpus(args.corpus, wanted))
     if args.write_prompt_corpus:
         kept = write_prompt_corpus(Path(args.corpus), Path(args.write_prompt_corpus), args.prompt_corpus_docs,
                                    args.prompt_corpus_chars, tuple(args.domains.split(",")))
@@ -480,11 +532,11 @@ def main(argv=None):
     args.target = str(resolve_model_dir(args.target))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    phases = set(args.phases.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = Tokenizer(args.target)
     # A run in several calls (phases) keeps every call's command line.
     command = " ".join(sys.argv if argv is None else ["train_heads.py", *argv])
+    args.command = command
     report = {"argv": command, "commands": load_report(out).get("commands", []) + [command],
               "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
@@ -499,7 +551,11 @@ def main(argv=None):
         save_report(out, report)
     dirs = {"dspark": out / "dspark", "dflash": out / "dflash"}
     if "train" in phases or "dflash" in phases:
+        if not data_path.exists():
+            raise SystemExit(f"train_heads.py: no {data_path}: run the data phase first (--phases data,train)")
         data = json.loads(data_path.read_text())
+        if not data:
+            raise SystemExit(f"train_heads.py: {data_path} holds no sequence: run the data phase again")
         target = load_model(args.target, dtype=torch.float32, device=device)
         base = dict(gamma=args.gamma, num_layers=args.layers, intermediate_size=args.intermediate,
                     mask_token_id=tok.tok.token_to_id("<|pad|>") or 0)

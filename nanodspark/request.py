@@ -208,13 +208,32 @@ class RequestOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt, shaped as vLLM's (`GenerationOutput.outputs[0]`)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None     # not computed here (no logprobs)
+    logprobs: None = None
+
+
+@dataclass
 class GenerationOutput:
+    """What `LLM.generate` / `LLM.chat` return per prompt: flat fields, and vLLM's shape beside
+    them (`.prompt`, `.prompt_token_ids`, `.outputs[0].text / .token_ids / .finish_reason`)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     spec: dict
+    prompt: str | None = None                   # the prompt's text (None when given as token ids)
+    finished: bool = True
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 class StepOutputs:

@@ -1,7 +1,7 @@
 """Per-request sampling: temperature, top-k, top-p and seeds, on the device and in batches.
 
-`SamplingParams` is what a user asks for; `validate()` turns a bad value into a clear
-`ValueError` before the request reaches the engine. A temperature below `GREEDY_BELOW` is
+`SamplingParams` is what a user asks for; a bad value is a clear `ValueError` at construction
+(and `validate()` again when the request reaches the engine, after any later change). A temperature below `GREEDY_BELOW` is
 greedy (dividing logits by 1e-38 overflows to inf and the softmax to NaN; every engine draws
 this line somewhere).
 
@@ -46,6 +46,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end the generation (not returned)
     seed: int | None = None       # per-request seed for reproducible sampling
     ignore_eos: bool = False      # keep going past end-of-sequence tokens
+
+    def __post_init__(self):      # a bad value fails here, where it was written
+        self.validate()
 
     @property
     def greedy(self) -> bool:

@@ -96,8 +96,9 @@ def test_bench_prompts_fill_a_concurrency_larger_than_the_workload():
 def test_pareto_png_draws_a_sweep_without_the_mix(tmp_path):
     rows = [{"mode": m, "workload": "math", "concurrency": c, "per_user_tok_s": 10.0 * c, "total_tok_s": 50.0 * c}
             for m in ("no-spec", "static", "compact") for c in (1, 4)]
-    be.pareto_png({"sweep": rows}, str(tmp_path / "p.png"))
+    fig = be.pareto_png({"sweep": rows}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert "workload math" in fig._suptitle.get_text()
 
 
 def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir, tmp_path):

@@ -1,11 +1,9 @@
 """Tests of nanodspark/calibration.py: metrics on hand-computed arrays, STS recovery of known
-per-position temperatures, the online accumulator; and of the dependency-free PNG writer of the
-reliability diagram (nanodspark/lab/plots.py).
+per-position temperatures, the online accumulator (the reliability diagram's figure:
+tests/test_plots.py).
 (Paper §3.2.1 and §4.3.3; walkthrough chapter 06.)"""
 
 import math
-import struct
-import zlib
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ from nanodspark.calibration import (
     offset_interval,
     position_metrics, reliability, sts_grid, survival,
 )
-from nanodspark.lab.plots import save_reliability_png
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,22 +180,6 @@ def test_online_metrics_match_batch_ece():
     assert online.count.shape == (3, 20)                   # bounded memory
     online.reset()
     assert bool(torch.isnan(online.ece()).all())
-
-
-# ---------------------------------------------------------------------------------------------
-# PNG
-# ---------------------------------------------------------------------------------------------
-
-def test_reliability_png_is_a_valid_png(tmp_path):
-    z, y, valid = synthetic_proposals(2000, [0.5, 2.0], seed=6)
-    path = save_reliability_png(tmp_path / "rel.png", z, y, valid, panel_px=100, hist_px=20, gap_px=4)
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (2 * 100 + 4, 120)
-    idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41:41 + idat_len])
-    assert len(raw) == height * (1 + 3 * width)
 
 
 def test_ece_noise_floor_tracks_sampling_noise():

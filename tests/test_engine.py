@@ -120,6 +120,13 @@ def test_generated_blocks_are_published_for_later_prompts(tiny_dir):
     assert req.tables["full"].num_cached_tokens == 32
 
 
+def _changed_after_construction(**bad) -> SamplingParams:
+    p = SamplingParams()
+    for k, v in bad.items():
+        setattr(p, k, v)
+    return p
+
+
 def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_dir, ref_llm):
     eng = ref_llm.engine
     vocab = eng.model_config.vocab_size
@@ -129,10 +136,10 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_dir, ref_llm):
         ([vocab + 5], GREEDY, "out of range"),
         ([-1], GREEDY, "out of range"),
         ([1] * eng.max_model_len, GREEDY, "context limit"),
-        ([1], SamplingParams(temperature=-1), "temperature"),
-        ([1], SamplingParams(top_p=0), "top_p"),
-        ([1], SamplingParams(max_tokens=0), "max_tokens"),
-        ([1], SamplingParams(top_k=-2), "top_k"),
+        ([1], _changed_after_construction(temperature=-1), "temperature"),   # construction refuses them
+        ([1], _changed_after_construction(top_p=0), "top_p"),                # itself (test_llm_api.py);
+        ([1], _changed_after_construction(max_tokens=0), "max_tokens"),      # the engine checks again
+        ([1], _changed_after_construction(top_k=-2), "top_k"),
         ("text" if eng.tokenizer is None else 3.5, GREEDY, "tokenizer|prompt must be"),
     ]:
         with pytest.raises(ValueError, match=msg):

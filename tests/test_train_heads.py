@@ -1,4 +1,5 @@
 """A two-step training smoke run of train_heads.py writes a drafter the engine loads and uses."""
+import argparse
 import json
 import lzma
 
@@ -183,3 +184,27 @@ def test_prompt_corpus_keeps_the_first_documents_cut_short(tmp_path):
         assert got == [d[:100] for d in ds if len(d) > 80][:3]       # "short" is skipped, order kept
     prompts = train_heads.training_prompts(out, 4, 0, ("chat", "math"))
     assert len(prompts) == 4 and all(any(d.startswith(p) for ds in docs.values() for d in ds) for p in prompts)
+
+
+def test_a_fresh_clone_without_a_corpus_gets_one_line_that_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+    """The documented command on a fresh clone (no .carry/corpus, no build/corpus) and an empty
+    --corpus fail before loading anything, with the command that builds the corpus; a train phase
+    without data names the data phase. (Before: RuntimeError deep in training on 0 sequences.)"""
+    monkeypatch.setattr(train_heads, "CORPUS_DIRS", (tmp_path / "no" / "corpus",))
+    for argv in (["--out", str(tmp_path / "run")], ["--out", str(tmp_path / "run"), "--corpus", str(tmp_path)],
+                 ["--out", str(tmp_path / "run"), "--phases", "proxy"]):
+        with pytest.raises(SystemExit) as e:
+            train_heads.main(argv)
+        msg = str(e.value)
+        assert "\n" not in msg and "python -m nanodspark.lab.recipes.corpus --out build/corpus" in msg, msg
+    with pytest.raises(SystemExit, match="run the data phase first"):
+        train_heads.main(["--out", str(tmp_path / "run"), "--phases", "train"])
+    with pytest.raises(SystemExit, match="unknown phase"):
+        train_heads.main(["--out", str(tmp_path / "run"), "--phases", "data,trian"])
+    ap = train_heads.build_parser()
+    assert ap.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+    assert all(a.help for a in ap._actions), [a.dest for a in ap._actions if not a.help]
+    with pytest.raises(SystemExit) as e:
+        train_heads.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "(default: 150)" in out and "(default: data,train,calibrate,eval)" in out

@@ -9,7 +9,8 @@ The idea
                                                    profile, the DSpark economics sweep
     profile_stats.py                               how a step-cost table is measured: rounds,
                                                    round-adjusted estimate, trend gate
-    plots.py                                       a dependency-free PNG writer, reliability diagrams
+    plots.py, figures.py                           the figures (matplotlib, the `lab` extra) and
+                                                   every committed one redrawn from its data
     workloads.py                                   the named prompt sets (math, chat, poetry, code, mix)
     text_proxy.py                                  teacher-forced acceptance on held-out natural text
     recipes/                                       the default model: corpus, tokenizer, target

@@ -513,11 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nanodspark.bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    k = sub.add_parser("kernels", help="Triton paged attention vs SDPA / flex (GPU)")
+    defaults = argparse.ArgumentDefaultsHelpFormatter     # every --help shows each flag's default
+    k = sub.add_parser("kernels", help="Triton paged attention vs SDPA / flex (GPU)", formatter_class=defaults)
     k.add_argument("--out", default=None, help="JSON file for every row")
-    k.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
-    k.add_argument("--q-lens", type=int, nargs="+", default=[1, 4, 8])
+    k.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256], help="batch sizes")
+    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768],
+                   help="context lengths (cached tokens per request)")
+    k.add_argument("--q-lens", type=int, nargs="+", default=[1, 4, 8],
+                   help="query tokens per request (1: decode, more: a verify window)")
     k.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per timing")
     k.add_argument("--no-flex", action="store_true", help="skip flex_attention")
     k.add_argument("--flex-all", action="store_true",
@@ -533,8 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--smoke", action="store_true", help="tiny shapes; runs without CUDA")
     k.set_defaults(func=cmd_kernels)
 
-    t = sub.add_parser("kernels-table", help="markdown table + goals of a `kernels` JSON (no GPU)")
-    t.add_argument("input")
+    t = sub.add_parser("kernels-table", help="markdown table + goals of a `kernels` JSON (no GPU)",
+                       formatter_class=defaults)
+    t.add_argument("input", help="JSON written by `bench kernels`")
     t.add_argument("--before", default=None, help="an earlier run's JSON, for its graph-replay column")
     t.set_defaults(func=cmd_kernels_table)
 
@@ -546,8 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_speed as bsp
     from . import bench_swa as bsw
     from . import bench_tp as btp
+    from . import figures as fg
     from . import timeline as tl
     for name, helptext, add_args, run in (
+            ("figures", "redraw every committed figure (benchmarks/*.png) from its data, no GPU",
+             fg.add_figures_args, fg.figures),
             ("timeline", "PNG of decode steps: host phases over GPU kernels, sync vs overlapped loop",
              tl.add_timeline_args, tl.timeline),
             ("tp", "tensor parallel decode tok/s (TP 1/2/4/8, random weights) and all-reduce time per step",
@@ -569,7 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
              "batch invariance at batch 1/64/256", bsa.add_sampling_args, bsa.run),
             ("swa", "SWA replay and snapshots: follow-up prefill and TTFT, bounded replay drift", bsw.add_swa_args,
              bsw.swa_bench)):
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, help=helptext, description=helptext,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0
     return p

@@ -195,7 +195,10 @@ def dspark_bench(args) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         if rows:
-            pareto_png(result, str(Path(args.out).with_suffix(".png")))
+            try:
+                pareto_png(result, str(Path(args.out).with_suffix(".png")))
+            except ModuleNotFoundError as e:     # the JSON is the measurement; `bench pareto` draws it later
+                print(f"{Path(args.out).with_suffix('.png')} not drawn: {e}")
     print(f"\n{'mode':8} {'workload':8} {'conc':>5} {'total tok/s':>12} {'user tok/s':>11}")
     for r in rows:
         print(f"{r['mode']:8} {r['workload']:8} {r['concurrency']:>5} {r['total_tok_s']:>12} {r['per_user_tok_s']:>11}")
@@ -238,60 +241,40 @@ def _non_negative(text: str) -> int:
 
 
 def add_dspark_args(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--cost-table", default=None)
+    p.add_argument("--model", default=None,
+                   help="target checkpoint directory with its drafter/; none: the shipped default pair")
+    p.add_argument("--cost-table", default=None,
+                   help="a `bench profile` table for the compact mode; none: compact keeps full blocks")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64, 128, 256],
                    help="the sweep's concurrencies; none (a bare --concurrency) runs only the mixed traffic")
-    p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"])
-    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--workloads", nargs="+", default=["mix", "math", "chat", "poetry", "code"],
+                   help="workloads of the sweep (mix: the four, round-robin)")
+    p.add_argument("--min-requests", type=int, default=16,
+                   help="at least this many requests per point (more when the concurrency is larger)")
     p.add_argument("--repeats", type=int, default=3, help="runs per point; the median run is reported")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompts are cut to their last N tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--aa", action="store_true",
                    help="add an A/A control: a second static engine, reported as its paired ratio to static")
     p.add_argument("--no-trim", action="store_true",
                    help="also run compact with a guard no gain can pass (its overhead alone), paired with static")
-    p.add_argument("--mixed-concurrency", type=int, default=64)
+    p.add_argument("--mixed-concurrency", type=int, default=64, help="concurrency of the mixed-traffic table")
     p.add_argument("--mixed-requests", type=_non_negative, default=128,
                    help="requests of the mixed-traffic table (0: no mixed traffic, only the sweep)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--kv-gb", type=float, default=4.0)
-    p.add_argument("--out", default="")
+    p.add_argument("--data-dir", default=None,
+                   help="workload data; none: $NANODSPARK_DATA, else ../shared/data, else .carry/data")
+    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory per engine (GB)")
+    p.add_argument("--out", default="", help="JSON file for every row; X.json also writes X.png (none: print only)")
 
 
 # ----------------------------------------------------------------------------- Pareto plot
-PARETO_COLORS = {"no-spec": (90, 90, 90), "static": (200, 60, 40), "compact": (40, 90, 200)}
-
-
-def pareto_png(result: dict, path: str, size: int = 480, margin: int = 40, workload: str = "mix") -> None:
-    """Per-user tok/s (x) against total tok/s (y), one polyline per mode over the concurrency
-    sweep: grey = no speculation, red = static, blue = compact. Axes start at 0; no text (the
-    JSON next to it has the numbers)."""
-    import numpy as np
-    from .plots import write_png
-    rows = [r for r in result["sweep"] if r.get("workload", "mix") == workload]
-    if not rows:  # a sweep without the mix: draw its first workload
-        first = result["sweep"][0].get("workload", "mix")
-        rows = [r for r in result["sweep"] if r.get("workload", "mix") == first]
-    xmax = max(r["per_user_tok_s"] for r in rows) * 1.1
-    ymax = max(r["total_tok_s"] for r in rows) * 1.1
-    img = np.full((size, size, 3), 255, dtype=np.uint8)
-    img[size - margin, margin:size - margin // 2] = 0          # x axis
-    img[margin // 2:size - margin + 1, margin] = 0              # y axis
-
-    def px(r):
-        x = margin + int((size - 1.5 * margin) * r["per_user_tok_s"] / xmax)
-        y = size - margin - int((size - 1.5 * margin) * r["total_tok_s"] / ymax)
-        return x, y
-    for mode, color in PARETO_COLORS.items():
-        pts = [px(r) for r in sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            for t in np.linspace(0, 1, 200):
-                img[int(y0 + t * (y1 - y0)), int(x0 + t * (x1 - x0))] = color
-        for x, y in pts:
-            img[max(0, y - 3):y + 4, max(0, x - 3):x + 4] = color
-    write_png(path, img)
+def pareto_png(result: dict, path: str, workload: str = "mix", drawn_by: str | None = None):
+    """The Pareto plot and the concurrency curve of a `dspark` result (`plots.pareto`), captioned
+    with the command that measured it (and the one that drew it, when not the same)."""
+    from . import plots
+    caption = plots.command_caption(result) + (f"\ndrawn by: {drawn_by}" if drawn_by else "")
+    return plots.pareto(result, path, caption=caption, workload=workload)
 
 
 def point_summary(row: dict) -> dict:
@@ -381,11 +364,16 @@ def add_dspark_table_args(p) -> None:
 
 def pareto(args) -> dict:
     result = json.loads(Path(args.input).read_text())
-    pareto_png(result, args.out)
+    try:
+        pareto_png(result, args.out, workload=args.workload,
+                   drawn_by=f"python -m nanodspark.bench pareto {args.input} --out {args.out}")
+    except ModuleNotFoundError as e:
+        raise SystemExit(str(e)) from None
     print(f"wrote {args.out}")
     return result
 
 
 def add_pareto_args(p) -> None:
     p.add_argument("input", help="JSON written by `bench dspark`")
-    p.add_argument("--out", default="dspark_pareto.png")
+    p.add_argument("--out", default="dspark_pareto.png", help="the PNG to write")
+    p.add_argument("--workload", default="mix", help="the sweep's workload to draw (its first if absent)")

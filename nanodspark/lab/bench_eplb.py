@@ -63,23 +63,27 @@ def add_eplb_args(p) -> None:
     p.add_argument("--data-dir", default=None, help="folder of the workload data (default: ../shared/data)")
     p.add_argument("--out", default=None, help="JSON file for every figure")
     p.add_argument("--quick", action="store_true", help="the bounded run (< 60 s on an H200)")
-    p.add_argument("--workloads", nargs="+", default=["math", "chat", "poetry", "code", "mix"])
-    p.add_argument("--ep-sizes", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--redundant", type=int, nargs="+", default=[0, 8, 32])
+    p.add_argument("--workloads", nargs="+", default=["math", "chat", "poetry", "code", "mix"],
+                   help="workloads whose routing is recorded")
+    p.add_argument("--ep-sizes", type=int, nargs="+", default=[4, 8], help="simulated expert-parallel sizes")
+    p.add_argument("--redundant", type=int, nargs="+", default=[0, 8, 32], help="redundant expert slots compared")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default: 32, quick 12)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default: 128, quick 48)")
     p.add_argument("--qwen-layers", type=int, default=None, help="MoE layers of the Qwen3-30B-A3B-shaped stack")
     p.add_argument("--qwen-hidden", type=int, default=None, help="its hidden size (default 2048 on CUDA, 128 on CPU)")
     p.add_argument("--qwen-intermediate", type=int, default=None, help="its expert FFN size (768 on CUDA, 32 on CPU)")
-    p.add_argument("--qwen-steps", type=int, default=None)
-    p.add_argument("--qwen-tokens-per-step", type=int, default=None)
+    p.add_argument("--qwen-steps", type=int, default=None, help="steps of synthetic routing (none: 64, quick 16)")
+    p.add_argument("--qwen-tokens-per-step", type=int, default=None,
+                   help="tokens routed per step (none: 1024, quick 512)")
     p.add_argument("--qwen-skew", type=float, default=1.0, help="router bias = skew * log Zipf(1) popularity")
-    p.add_argument("--engine-prompts", type=int, default=None)
-    p.add_argument("--engine-max-tokens", type=int, default=None)
+    p.add_argument("--engine-prompts", type=int, default=None,
+                   help="prompts of the running-engine part (none: 32, quick 16)")
+    p.add_argument("--engine-max-tokens", type=int, default=None,
+                   help="tokens per prompt there (none: 128, quick 48)")
     p.add_argument("--engine-interval", type=int, default=None, help="steps between rebalances in part 2")
-    p.add_argument("--engine-repeats", type=int, default=None)
+    p.add_argument("--engine-repeats", type=int, default=None, help="timed repeats there (none: 5, quick 3)")
     p.add_argument("--skip-engine", action="store_true", help="part 1 only")
-    p.add_argument("--kv-gb", type=float, default=1.0)
+    p.add_argument("--kv-gb", type=float, default=1.0, help="KV cache memory (GB)")
 
 
 def resolve(args):

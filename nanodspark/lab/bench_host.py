@@ -82,10 +82,10 @@ def host_bench(args) -> dict:
 def add_host_args(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped default model)")
     p.add_argument("--drafter", default=None, help="drafter directory; 'none' = no speculation")
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256], help="batch sizes")
     p.add_argument("--steps", type=int, default=12, help="decode steps timed per repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="repeats per batch size; medians over steps and repeats")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries (a path of its own)")
     p.add_argument("--offline", action="store_true",
                    help="requests as LLM.generate adds them: text decoded once, at the finish (not streamed)")

@@ -209,13 +209,14 @@ def profile(args) -> dict:
 
 
 def add_profile_args(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--model", default=None, help="target checkpoint directory; none: the shipped default pair")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256], help="batch sizes profiled")
     p.add_argument("--context", type=int, default=256,
                    help="prompt tokens per request (mix prompts are cut to their last --context tokens)")
     p.add_argument("--prompts", choices=("mix", "random"), default="mix",
                    help="mixed workload prompts (acceptance and lengths like traffic) or random tokens")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="workload data; none: $NANODSPARK_DATA, else ../shared/data, else .carry/data")
     p.add_argument("--estimator", choices=("rounds", "median"), default="rounds",
                    help="cost per point: median over rounds with each round's level removed "
                         "(robust to slow stretches of the machine) or the plain median")
@@ -232,6 +233,6 @@ def add_profile_args(p) -> None:
                         "(a stalled point becomes a small step) or running maximum (a cliff)")
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kv-gb", type=float, default=4.0)
-    p.add_argument("--out", default="cost_table.json")
+    p.add_argument("--repeats", type=int, default=5, help="rounds per point; the estimator combines them")
+    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory (GB)")
+    p.add_argument("--out", default="cost_table.json", help="the cost table (JSON) to write")

@@ -160,14 +160,16 @@ def markdown(result: dict) -> str:
 
 def add_sampling_args(p) -> None:
     p.add_argument("--model", default=None, help="a checkpoint with a drafter/ folder; default: the default pair")
-    p.add_argument("--workloads", nargs="+", default=["math", "chat", "poetry", "code"])
+    p.add_argument("--workloads", nargs="+", default=["math", "chat", "poetry", "code"], help="workloads of part 1")
     p.add_argument("--workload-batch", type=int, default=32, help="prompts per workload run (part 1)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256], help="batch sizes of part 2")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompts are cut to their last N tokens")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs per point, the engines' order rotating; medians reported")
     p.add_argument("--kv-gb", type=float, default=6.0, help="KV cache per engine")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="workload data; none: $NANODSPARK_DATA, else ../shared/data, else .carry/data")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the script)")
     p.add_argument("--out", default="", help="JSON of every run (default: benchmarks/sampling_h200.json; "
                                             "none with --smoke)")

@@ -289,15 +289,17 @@ def add_speed_args(p) -> None:
     p.add_argument("--model", default=None, help="a checkpoint directory; default: a random Qwen3-0.6B shape")
     p.add_argument("--drafter", default=None, help="also run every nanodspark system with this drafter")
     p.add_argument("--systems", nargs="+", default=["hf-dynamic", "hf-static", "eager", "graphs", "overlap"],
-                   choices=["hf-dynamic", "hf-static", *NS_SYSTEMS])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--prompt-len", type=int, default=128)
+                   choices=["hf-dynamic", "hf-static", *NS_SYSTEMS],
+                   help="engines timed: transformers (dynamic, static cache) and nanodspark (eager, graphs, "
+                        "graphs + overlapped loop)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="batch sizes")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--prompts", choices=("random", "mix"), default="random",
                    help="random token ids (transformers gets the same), or the mixed workload's real prompts")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is reported")
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled per point (0: none)")
-    p.add_argument("--kv-gb", type=float, default=8.0)
+    p.add_argument("--kv-gb", type=float, default=8.0, help="KV cache memory (GB)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="the engines' prefill chunk (token budget of a forward); 0: the engine's default")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="JSON file for every row (none: print only)")

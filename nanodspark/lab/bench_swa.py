@@ -375,7 +375,8 @@ def swa_bench(args) -> dict:
 
 
 def add_swa_args(p) -> None:
-    p.add_argument("--parts", nargs="+", choices=("prefill", "drift"), default=["prefill", "drift"])
+    p.add_argument("--parts", nargs="+", choices=("prefill", "drift"), default=["prefill", "drift"],
+                   help="prefill: follow-up prefill and TTFT; drift: the bounded replay against exact")
     p.add_argument("--prefixes", type=int, nargs="*", default=None,
                    help="shared prefix lengths on the random hybrid shape (default 2048 8192 32768)")
     p.add_argument("--shape", choices=("0.6b", "small", "tiny"), default="0.6b",
@@ -387,19 +388,23 @@ def add_swa_args(p) -> None:
     p.add_argument("--answer-tokens", type=int, default=32, help="turn-1 answer length (prefill table)")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens of the follow-up (prefill table)")
     p.add_argument("--keep", default=140, type=lambda s: s if s == "auto" else int(s),
-                   help="the bounded replay's length in the prefill table (default 140)")
-    p.add_argument("--repeats", type=int, default=3)
+                   help="the bounded replay's length in the prefill table")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per row; medians reported")
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (the prefill chunk)")
-    p.add_argument("--drift-model", default=None, help="target (+ drafter/) of the drift table; default: the default pair")
+    p.add_argument("--drift-model", default=None,
+                   help="target (+ drafter/) of the drift table; default: the default pair")
     p.add_argument("--drift-n", type=int, default=80, help="MT-bench conversations (80 = all)")
     p.add_argument("--drift-answer", type=int, default=256, help="most tokens of a turn-1 answer")
     p.add_argument("--drift-cont", type=int, default=96, help="greedy tokens after the second turn")
     p.add_argument("--drift-keeps", nargs="+", default=["128", "auto", "256"],
                    help="bounded replay lengths compared with exact ('auto' = the suffix rule)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--kv-gb", type=float, default=0.0, help="KV cache memory (0 = 16 GB on CUDA, the engine's default on a CPU)")
+    p.add_argument("--data-dir", default=None,
+                   help="workload data; none: $NANODSPARK_DATA, else ../shared/data, else .carry/data")
+    p.add_argument("--kv-gb", type=float, default=0.0,
+                   help="KV cache memory (0 = 16 GB on CUDA, the engine's default on a CPU)")
     p.add_argument("--budget-s", type=float, default=240.0, help="skip rows that would start after this")
     p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (every decode step eager)")
-    p.add_argument("--quick", action="store_true", help="one repeat, short answers, 16 conversations (< 90 s on an H200)")
+    p.add_argument("--quick", action="store_true",
+                   help="one repeat, short answers, 16 conversations (< 90 s on an H200)")
     p.add_argument("--smoke", action="store_true", help="tiny random shapes on the CPU (checks the script)")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="JSON file for every row (none: print only)")

@@ -45,15 +45,16 @@ SHAPES = {
 
 
 def add_tp_args(p) -> None:
-    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"], choices=sorted(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"], choices=sorted(SHAPES),
+                   help="model shapes (random weights)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="TP sizes; on CUDA those above the GPU count are skipped")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size of the MoE shapes (divides each TP size)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="batch sizes")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per request")
     p.add_argument("--layers", type=int, default=0, help="keep the first N layers (0 = all)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed per point")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA too")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on one TP size after this long")
