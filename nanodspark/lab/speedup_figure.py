@@ -44,7 +44,8 @@ def ratios(result: dict, system: str, workload: str = "mix") -> list[tuple[int, 
 
 
 def speedup_figure(measured: list[dict], predicted: list[dict], path: str, labels: list[str] | None = None,
-                   systems=("static", "compact"), title: str | None = None, workload: str = "mix") -> str:
+                   systems=("static", "compact"), title: str | None = None, workload: str = "mix") -> list[str]:
+    """Draw the figure to `path`; returns its legend's labels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -79,10 +80,11 @@ def speedup_figure(measured: list[dict], predicted: list[dict], path: str, label
     fig.subplots_adjust(bottom=0.14 + 0.025 * caption.count("\n"))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
+    labels = ax.get_legend_handles_labels()[1]
     plt.close(fig)
     if not drawn:
         raise ValueError("no curve to draw: the inputs hold no system next to no-spec")
-    return path
+    return labels
 
 
 def pareto_figure(result: dict, path: str, workload: str = "mix") -> str:
@@ -127,11 +129,11 @@ def _load(paths) -> list[dict]:
     return out
 
 
-def run(args) -> str:
-    path = speedup_figure(_load(args.measured), _load(args.predicted), args.out, args.labels, args.systems,
-                          args.title, args.workload)
-    print(f"wrote {path}")
-    return path
+def run(args) -> list[str]:
+    labels = speedup_figure(_load(args.measured), _load(args.predicted), args.out, args.labels, args.systems,
+                            args.title, args.workload)
+    print(f"wrote {args.out}: " + "; ".join(labels))
+    return labels
 
 
 def add_args(p) -> None:
