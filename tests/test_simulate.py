@@ -277,3 +277,26 @@ def test_simulate_command_writes_a_labelled_prediction(pair, measured, tmp_path,
     assert any(p["ratio"] == "compact/static" for p in saved["paired"])
     assert res["step_cost"]["static"]["host_s"] == pytest.approx(0.002)
 
+
+
+def test_profile_plain_times_the_target_alone_and_saves_a_table(tiny_dir, tmp_path):
+    """`bench profile-plain`: T(R, 0) without a drafter, one row per batch size, that `load_table`
+    reads back; the engine is left without requests."""
+    from nanodspark.lab.bench import build_parser
+    from nanodspark.lab.simulate import load_table, profile_plain
+    out = tmp_path / "plain.json"
+    args = build_parser().parse_args(["profile-plain", "--model", str(tiny_dir), "--batch-sizes", "1", "2",
+                                      "--context", "8", "--repeats", "2", "--kv-gb", "0.05", "--out", str(out)])
+    profile_plain(args)
+    t = load_table(out)
+    assert sorted(t.measurements) == [(1, 0), (2, 0)] and all(v > 0 for v in t.measurements.values())
+    assert t.model_name.endswith("(no drafter)") and StepCost(None, t).decode_seconds(2, 8, spec=False) == t.predict(2, 0)
+
+
+def test_simulate_refuses_speculation_without_traces(tmp_path):
+    from nanodspark.lab.bench import build_parser
+    from nanodspark.lab.simulate import simulate
+    linear_table(0.001).save(tmp_path / "t.json")
+    args = build_parser().parse_args(["simulate", "--cost-table", str(tmp_path / "t.json")])
+    with pytest.raises(SystemExit, match="--traces"):
+        simulate(args)

@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
              bh.add_host_args, bh.host_bench),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
             ("serve", "steady state: C closed-loop clients, engine in-process or serve.py over HTTP; "
-             "tok/s, TTFT, ITL, Pareto front", bsv.add_serve_args, bsv.serve),
+             "tok/s, TTFT, ITL, Pareto front", bsv.add_serve_args, bsv.serve_bench),
             ("dspark", "concurrency sweep: no speculation vs static vs compact (steady state; --traffic burst: "
              "the former batch of C)", bsv.add_dspark_args, bsv.dspark),
             ("simulate", "predict total and per-user tok/s per system and concurrency from a step-cost table "

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -542,8 +543,52 @@ def pareto_front(rows: list[dict]) -> list[dict]:
     return pts
 
 
+def _rounds(workloads, concurrencies, repeats: int, systems: list[str]):
+    """(workload, concurrency, repeat, system) in run order: each round the systems' order rotates
+    (A B C, B C A, ...), so no system always runs first or after the same other one."""
+    for wl in workloads:
+        for c in concurrencies:
+            for rep in range(repeats):
+                for s in systems[rep % len(systems):] + systems[:rep % len(systems)]:
+                    yield wl, c, rep, s
+
+
+@contextmanager
+def _backends(args, systems: list[str]):
+    """system -> an `LLM` (engine front end) or a server's URL (HTTP: `--url`, or servers started
+    here, together, and stopped on the way out)."""
+    servers, out = [], {}
+    try:
+        for s in systems:
+            if args.frontend == "engine":
+                from .. import LLM
+                out[s] = LLM(args.model, **engine_config(args, s))
+            elif args.url:
+                out[s] = args.url
+            else:
+                port = free_port()
+                logs = Path(args.out).parent if args.out else Path("runs")
+                servers.append(ServerProcess(serve_command(args, s, port), port, logs / f"server_{s}_{port}.log"))
+                out[s] = servers[-1].url
+        for srv in servers:
+            srv.wait_ready(args.server_timeout)
+        yield out
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def _run(args, backend, system: str, work: ServeWorkload, c: int, traces: TraceRecorder | None) -> Run:
+    if args.frontend == "http":
+        return asyncio.run(http_closed_loop(backend, work, c, args.warmup_s, args.duration, args.num_requests,
+                                            args.temperature, request_timeout=args.request_timeout))
+    return engine_closed_loop(backend.engine, work, c, args.warmup_s, args.duration, args.num_requests,
+                              args.temperature, args.stream_text, traces=traces)
+
+
 def serve_bench(args) -> dict:
     """The sweep: every system at every concurrency, `--repeats` rotating rounds; one JSON."""
+    from ..loader import Tokenizer, resolve_model_dir
     from .bench_engine import environment
     systems = list(args.systems)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -552,100 +597,54 @@ def serve_bench(args) -> dict:
     if any(SYSTEMS[s][2] for s in systems) and not args.cost_table:
         raise SystemExit("compact needs --cost-table (a profile from `python -m nanodspark.bench profile`); "
                          "without one it would verify full blocks, as static does")
-    http = args.frontend == "http"
-    if http and args.url and len(systems) > 1:
+    if args.frontend == "http" and args.url and len(systems) > 1:
         raise SystemExit("--url measures one running server: give one --systems name (its label)")
-    if http and not (args.url or args.spawn or args.serve_cmd):
+    if args.frontend == "http" and not (args.url or args.spawn or args.serve_cmd):
         raise SystemExit("--frontend http needs --url (a running server), --spawn or --serve-cmd")
-    from ..loader import Tokenizer, resolve_model_dir
     tok = Tokenizer(resolve_model_dir(args.model))
     works = {wl: make_workload(tok, wl, args.prompts, args.prompt_tokens, args.output_len, args.output_spread,
                                args.seed, args.data_dir) for wl in args.workloads}
     result = {"benchmark": f"steady-state closed loop ({args.frontend} front end)", **environment(),
               "command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]),
-              "options": {k: v for k, v in vars(args).items() if k != "func" and not callable(v)},
+              "options": {k: v for k, v in vars(args).items() if not callable(v)},
               "definitions": {"per_user_tok_s": "median over measured requests of (tokens - 1) / (end - first token)",
                               "total_tok_s": "output tokens delivered in the window / window seconds",
                               "itl": "gap between two streamed chunks (a verify step may bring several tokens)"},
-              "runs": [], "partial": True}
-    backends, servers = {}, []
-    try:
-        for s in systems:
-            if http:
-                if args.url:
-                    backends[s] = args.url
-                else:
-                    port = free_port()
-                    logs = Path(args.out).parent if args.out else Path("runs")
-                    srv = ServerProcess(serve_command(args, s, port), port, logs / f"server_{s}_{port}.log")
-                    servers.append(srv)
-                    backends[s] = srv
-            else:
-                from .. import LLM
-                backends[s] = LLM(args.model, **engine_config(args, s))
-        for srv in servers:                       # started together, waited for together
-            srv.wait_ready(args.server_timeout)
-            backends[next(k for k, v in backends.items() if v is srv)] = srv.url
-        result["systems"] = {s: (SYSTEMS[s][1] if http else engine_config(args, s)) for s in systems}
-        t_start, stopped = time.monotonic(), None
-        for wl, work in works.items():
-            for c in args.concurrency:
-                for rep in range(args.repeats):
-                    order = systems[rep % len(systems):] + systems[:rep % len(systems)]
-                    for s in order:
-                        if args.budget_s and time.monotonic() - t_start > args.budget_s:
-                            stopped = f"--budget-s {args.budget_s} spent before {s} at concurrency {c}"
-                            break
-                        b = backends[s]
-                        traces = None
-                        if not http and args.record_traces and rep == 0 and b.engine.gamma:
-                            traces = TraceRecorder(b.engine.gamma)
-                        if http:
-                            run = asyncio.run(http_closed_loop(b, work, c, args.warmup_s, args.duration,
-                                                               args.num_requests, args.temperature,
-                                                               request_timeout=args.request_timeout))
-                        else:
-                            run = engine_closed_loop(b.engine, work, c, args.warmup_s, args.duration,
-                                                     args.num_requests, args.temperature, args.stream_text,
-                                                     traces=traces)
-                        if traces is not None:
-                            d = Path(args.record_traces)
-                            path = traces.traces({"system": s, "concurrency": c, "workload": wl,
-                                                  "model": args.model or "default"}).save(d / f"{s}_{wl}_c{c}.npz")
-                            print(f"  traces: {path}", flush=True)
-                        row = {"mode": s, "workload": wl, "concurrency": c, "repeat": rep,
-                               **summarize(run, args.percentiles)}
-                        result["runs"].append(row)
-                        print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
-                              f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
-                              f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
-                        if args.out:
-                            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-                    if stopped:
-                        break
-                if stopped:
-                    break
-            if stopped:
+              "systems": {s: SYSTEMS[s][1] if args.frontend == "http" else engine_config(args, s) for s in systems},
+              "runs": [], "partial": True, "stopped": None}
+    t_start = time.monotonic()
+    with _backends(args, systems) as backends:
+        for wl, c, rep, s in _rounds(works, args.concurrency, args.repeats, systems):
+            if args.budget_s and time.monotonic() - t_start > args.budget_s:
+                result["stopped"] = f"--budget-s {args.budget_s} spent before {s} at concurrency {c}"
                 break
-        result["stopped"] = stopped
-    finally:
-        for srv in servers:
-            srv.stop()
+            rec = None
+            if args.frontend == "engine" and args.record_traces and rep == 0 and backends[s].engine.gamma:
+                rec = TraceRecorder(backends[s].engine.gamma)
+            row = {"mode": s, "workload": wl, "concurrency": c, "repeat": rep,
+                   **summarize(_run(args, backends[s], s, works[wl], c, rec), args.percentiles)}
+            if rec is not None:
+                meta = {"system": s, "concurrency": c, "workload": wl, "model": args.model or "default"}
+                print(f"  traces: {rec.traces(meta).save(Path(args.record_traces) / f'{s}_{wl}_c{c}.npz')}")
+            result["runs"].append(row)
+            print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
+                  f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
+                  f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
+            if args.out:                       # keep what is measured if the call is cut short
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     runs = result["runs"]
-    result["sweep"] = median_rows(runs)
-    result["paired"] = paired_ratios(runs)
+    result.update(sweep=median_rows(runs), paired=paired_ratios(runs), partial=False)
     result["paired_compact_over_static"] = legacy_paired(result["paired"])
     result["pareto"] = pareto_front(result["sweep"])
-    result["partial"] = False
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         if result["sweep"]:
             try:
                 from .speedup_figure import pareto_figure
                 pareto_figure(result, str(Path(args.out).with_suffix(".pareto.png")))
-            except ImportError:            # matplotlib is the `lab` extra
-                pass
+            except ImportError as e:               # matplotlib: the `lab` extra
+                print(f"(no Pareto PNG: {e}; pip install -e '.[lab]')")
     print_table(result)
     return result
 
@@ -765,10 +764,6 @@ def dspark(args) -> dict:
 def argparse_namespace(args, **over):
     import argparse
     return argparse.Namespace(**{**vars(args), **over})
-
-
-def serve(args) -> dict:
-    return serve_bench(args)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # the HTTP client forks no workers

@@ -331,6 +331,9 @@ def simulate(args) -> dict:
     from .bench_serve import make_workload
     table = load_table(args.cost_table, args.table_key)
     plain = load_table(args.plain_table, args.plain_key) if args.plain_table else None
+    if not args.traces and any(s != "no-spec" for s in args.systems):
+        raise SystemExit("speculative systems replay acceptance traces: give --traces "
+                         "(`bench serve --record-traces DIR`, a static run's)")
     traces = Traces.load(args.traces) if args.traces else None
     label = "prediction"
     if args.scale_tau:
