@@ -89,3 +89,14 @@ def test_the_command_line_packs_and_assembles(folder, tmp_path, capsys):
     assert stage.main(["take", "--src", str(carry), "--dst", str(dev)]) == 0
     assert stage.main(["assemble", "--name", "m", "--into", str(tmp_path / "o"), "--dst", str(dev)]) == 0
     assert "3 files checked" in capsys.readouterr().out
+
+
+def test_resplit_cuts_the_same_bytes_again_and_they_still_assemble(folder, tmp_path):
+    carry = tmp_path / "carry"
+    m = stage.pack([folder], "smol", carry, piece_mib=0.1)
+    m2 = stage.resplit("smol", carry, 0.05)
+    assert len(m2["pieces"]) > len(m["pieces"]) and m2["sha256"] == m["sha256"] and m2["files"] == m["files"]
+    assert sorted(p.name for p in carry.glob("smol.0*")) == [p["file"] for p in m2["pieces"]]   # none left over
+    stage.take(carry, tmp_path / "dev")
+    out = stage.assemble("smol", tmp_path / "out", tmp_path / "dev")
+    assert (out / "model" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()

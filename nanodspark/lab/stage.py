@@ -2,6 +2,7 @@
 
     python -m nanodspark.lab.stage pack build/smol --name smol_target --piece-mib 20   # here, once
     python -m nanodspark.lab.stage plan --name smol_target                             # the calls to make
+    python -m nanodspark.lab.stage resplit --name smol_target --piece-mib 16           # the tree grew
     python -m nanodspark.lab.stage take                                                # device, every call
     python -m nanodspark.lab.stage assemble --name smol_target --into /tmp/t/smol      # device, last call
 
@@ -67,21 +68,49 @@ def pack(folders: list[Path], name: str, out: Path, piece_mib: float, xz: bool =
             shutil.copyfileobj(f, g, 1 << 22)
         buf.unlink()
         buf = out / f"{name}.tar.xz"
-    size, step = buf.stat().st_size, int(piece_mib * 2**20)
-    if step <= 0:
-        raise ValueError("--piece-mib must be positive")
-    pieces = []
-    with open(buf, "rb") as f:
-        for i in range(max(1, -(-size // step))):
-            data = f.read(step)
-            piece = out / f"{name}.{i:03d}"
-            piece.write_bytes(data)
-            pieces.append({"file": piece.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"name": name, "format": "tar.xz" if xz else "tar", "bytes": size, "sha256": sha256(buf),
+    pieces = _cut(buf, name, out, piece_mib)
+    manifest = {"name": name, "format": "tar.xz" if xz else "tar", "bytes": buf.stat().st_size, "sha256": sha256(buf),
                 "piece_mib": piece_mib, "pieces": pieces, "files": files}
     buf.unlink()
     (out / f"{name}.json").write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _cut(data_path: Path, name: str, out: Path, piece_mib: float) -> list[dict]:
+    """Cut one file into `<name>.000`, `.001`, ... of at most `piece_mib` MiB; their manifest entries."""
+    step = int(piece_mib * 2**20)
+    if step <= 0:
+        raise ValueError("--piece-mib must be positive")
+    for old in out.glob(f"{name}.[0-9][0-9][0-9]"):
+        old.unlink()
+    pieces, size = [], data_path.stat().st_size
+    with open(data_path, "rb") as f:
+        for i in range(max(1, -(-size // step))):
+            data = f.read(step)
+            (out / f"{name}.{i:03d}").write_bytes(data)
+            pieces.append({"file": f"{name}.{i:03d}", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return pieces
+
+
+def resplit(name: str, src: Path, piece_mib: float) -> dict:
+    """Cut a packed folder's pieces again at another size (the tree grew, or the default model's
+    shards left it), without packing again: joined and checked first."""
+    m = json.loads((src / f"{name}.json").read_text())
+    joined = src / f"{name}.joined"
+    h = hashlib.sha256()
+    with open(joined, "wb") as out:
+        for p in m["pieces"]:
+            data = (src / p["file"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != p["sha256"]:
+                raise SystemExit(f"error: {src / p['file']} does not match its manifest")
+            h.update(data)
+            out.write(data)
+    if h.hexdigest() != m["sha256"]:
+        raise SystemExit(f"error: the joined {name} does not match its manifest")
+    m["pieces"], m["piece_mib"] = _cut(joined, name, src, piece_mib), piece_mib
+    joined.unlink()
+    (src / f"{name}.json").write_text(json.dumps(m, indent=1))
+    return m
 
 
 def _manifests(src: Path, name: str | None) -> list[dict]:
@@ -214,6 +243,10 @@ def main(argv=None) -> int:
     a.add_argument("--name", required=True)
     a.add_argument("--into", type=Path, required=True)
     a.add_argument("--dst", type=Path, default=DEFAULT_DST)
+    r = sub.add_parser("resplit", help="cut packed pieces again at another --piece-mib (no new tar)")
+    r.add_argument("--name", required=True)
+    r.add_argument("--src", type=Path, default=DEFAULT_SRC)
+    r.add_argument("--piece-mib", type=float, required=True)
     q = sub.add_parser("plan", help="print the carry list of each device call")
     q.add_argument("--name", nargs="+", required=True)
     q.add_argument("--src", type=Path, default=DEFAULT_SRC)
@@ -225,6 +258,9 @@ def main(argv=None) -> int:
               f"manifest {args.out / (args.name + '.json')}")
     elif args.cmd == "take":
         take(args.src, args.dst, args.name)
+    elif args.cmd == "resplit":
+        m = resplit(args.name, args.src, args.piece_mib)
+        print(f"{args.name}: {len(m['pieces'])} pieces of at most {args.piece_mib:g} MiB")
     elif args.cmd == "assemble":
         assemble(args.name, args.into, args.dst)
     else:

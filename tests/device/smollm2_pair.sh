@@ -16,14 +16,15 @@
 #   every later session (target and drafter staged; `plan` again):
 #     calls 1 .. n-1: take; call n:                      bash tests/device/smollm2_pair.sh serve
 #                                                        (or `engine`: the bench engine runs of 09 §8c)
-# PIECE_MIB (default 20) fits a piece beside the 44 MiB tree; with the default model's 30 MB of shards
-# moved out of the tree for these calls, 45 halves the number of calls. Nothing is written into a
+# PIECE_MIB (default 18) fits a piece beside the 42 MiB tree (8 calls for the target); with the default
+# model's 30 MB of shards moved out of the tree for these calls, 45 (4 calls). `stage resplit` changes
+# the size of packed pieces without packing again; `plan` says whether they fit the tree as it is. Nothing is written into a
 # carried folder on the device: only /tmp and $OUT.
 set -o pipefail
 stage=${1:?usage: smollm2_pair.sh prepare|plan|take|train|keep FILES_AT|serve|engine}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 ST="python3 -m nanodspark.lab.stage"
-PIECE_MIB=${PIECE_MIB:-20}
+PIECE_MIB=${PIECE_MIB:-18}
 
 unpack() {   # the target, and the drafter once trained, under /tmp/t, checked (once per warm machine)
   $ST take || exit $?
