@@ -196,11 +196,11 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
             if "w" not in phases and now >= t0:
                 phases["w"], cpu0 = (dict(engine.clock.total), engine.clock.steps), time.process_time()
             over = now >= t1 or (num_requests and n_measured >= num_requests)
-            if over and "e" not in phases and "w" in phases:
+            closing = over and not any(r.measured for r in live.values())
+            if (now >= t1 or closing) and "e" not in phases:     # the window's end: t1, or the last measured
                 phases["e"], cpu = (dict(engine.clock.total), engine.clock.steps), time.process_time() - cpu0
-            if over and not any(r.measured for r in live.values()):
-                if num_requests:
-                    t1 = now
+            if closing:
+                t1 = min(t1, now)
                 break
             measuring = now >= t0 and not over
             while len(live) < concurrency:
@@ -230,7 +230,8 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
                     rec.chunks.append((b, len(o.new_token_ids)))
                 if o.finished:
                     rec.end, rec.tokens, rec.spec = b, o.num_output_tokens, o.spec
-                    rec.error = o.error if o.finish_reason in ("error", "abort") else None
+                    if o.finish_reason in ("error", "abort"):
+                        rec.error = o.error or o.finish_reason
                     del live[o.request_id]
                     engine.release(o.request_id)
     finally:
