@@ -296,10 +296,11 @@ def test_dspark_runs_in_steady_state_with_the_aa_control_or_as_before_in_bursts(
     a.func(a)
     s = calls["steady"]
     assert s.systems == ["no-spec", "static", "compact", "static-b", "compact-no-trim"] and s.output_len == 64
-    assert s.frontend == "engine" and s.concurrency == [4]
+    assert s.frontend == "engine" and s.concurrency == [4] and s.workloads == ["mix"] and s.repeats == 1
     a = p.parse_args(["dspark", "--traffic", "burst", "--min-requests", "16", "--aa"])
     a.func(a)
-    assert calls["burst"].min_requests == 16 and calls["burst"].aa
+    b = calls["burst"]
+    assert b.min_requests == 16 and b.aa and b.repeats == 3 and b.workloads == ["mix", "math", "chat", "poetry", "code"]
 
 
 def test_compact_without_a_cost_table_is_refused(tmp_path):

@@ -744,13 +744,17 @@ def add_dspark_args(p) -> None:
     p.add_argument("--traffic", choices=("steady", "burst"), default="steady",
                    help="steady: closed-loop clients (`bench serve`'s harness); burst: each point a batch of C")
     add_serve_args(p, dspark=True)
+    p.set_defaults(workloads=None, repeats=None)    # steady: mix, one round; burst: its own (below)
 
 
+BURST_DEFAULTS = {"workloads": ["mix", "math", "chat", "poetry", "code"], "repeats": 3}
 def dspark(args) -> dict:
     from . import bench_engine as be
     if args.traffic == "burst":
-        return be.dspark_bench(args)
+        return be.dspark_bench(argparse_namespace(args, workloads=args.workloads or BURST_DEFAULTS["workloads"],
+                                                  repeats=args.repeats or BURST_DEFAULTS["repeats"]))
     systems = args.systems or list(DEFAULT_SYSTEMS) + (["compact-no-trim"] if args.no_trim else [])
+    args = argparse_namespace(args, workloads=args.workloads or ["mix"], repeats=args.repeats or 1)
     ns = argparse_namespace(args, systems=systems, output_len=args.max_tokens)
     res = serve_bench(ns) if args.concurrency else {"sweep": []}
     if args.mixed_requests:
