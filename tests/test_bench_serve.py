@@ -272,6 +272,7 @@ def test_serve_sweep_writes_every_run_paired_ratios_the_front_and_a_table(tiny_d
     assert all(r["requests_completed"] == r["requests_measured"] == 2 and r["errors"] == 0 for r in saved["runs"])
     assert all(r["total_tok_s"] > 0 and r["per_user_tok_s"] > 0 for r in saved["runs"])
     assert all(r["accounting"]["steps"] == r["engine_steps"] for r in saved["runs"])
+    assert all(0 < r["accounting"]["kv_used_mean"] <= r["accounting"]["kv_used_max"] <= 1 for r in saved["runs"])
     spec = [r for r in saved["runs"] if r["mode"] != "no-spec"]
     assert all(r["accounting"]["verify_rows"] > r["accounting"]["decode_request_steps"] for r in spec)
     assert any(p["on_front"] for p in saved["pareto"])

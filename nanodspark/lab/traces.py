@@ -164,7 +164,7 @@ class TraceRecorder:
 
 # ----------------------------------------------------------------------------- the ledger
 LEDGER_FIELDS = ("t", "step", "seconds", "decode", "verified", "accepted", "budget", "prefill_rows",
-                 "recompute_rows", "prefill_chunks")
+                 "recompute_rows", "prefill_chunks", "kv_used")
 
 
 class StepLedger:
@@ -173,7 +173,9 @@ class StepLedger:
     Columns (LEDGER_FIELDS): the clock when the step was committed, the step index, its seconds
     (launch to result), decoding requests, drafts verified and accepted, the budget K the
     window policy planned (R * gamma for full blocks, 0 without a drafter), prefill rows, of
-    which recomputed (preempted requests), prefill chunks. `preemptions` counts the scheduler's.
+    which recomputed (preempted requests), prefill chunks, and the share of KV blocks in use
+    after the commit (reserved ahead for verify windows included). `preemptions` counts the
+    scheduler's.
     """
 
     def __init__(self, gamma: int, clock):
@@ -181,6 +183,7 @@ class StepLedger:
         self.rows: list[tuple] = []
         self.preemptions: list[float] = []          # the clock at each preemption
         self._budgets: dict[int, int] = {}          # step index -> the policy's budget
+        self._engine = None
 
     @classmethod
     def attach(cls, engine, clock) -> "StepLedger":
@@ -209,9 +212,11 @@ class StepLedger:
     def observe(self, result) -> None:
         s = step_arrays(result, self.gamma)
         n = len(s.request_ids)
+        kv = getattr(self._engine, "kv_usage", lambda: {})()
+        used = sum(g["used"] for g in kv.values()) / max(1, sum(g["total"] for g in kv.values()))
         self.rows.append((self.clock(), s.step, s.seconds, n, int(s.verified.sum()), int(s.accepted.sum()),
                           self._budgets.pop(s.step, n * self.gamma) if n else 0, s.prefill_rows,
-                          s.recompute_rows, s.prefill_chunks))
+                          s.recompute_rows, s.prefill_chunks, used))
 
     def table(self, t0: float = -np.inf, t1: float = np.inf) -> dict[str, np.ndarray]:
         """The rows committed in [t0, t1) as columns."""
@@ -249,6 +254,8 @@ def account(ledger: StepLedger, t0: float, t1: float, step_calls: list[tuple[flo
         "decode_request_steps": int(tab["decode"].sum()),
         "verify_rows": int(tab["decode"].sum() + tab["verified"].sum()),
         "drafts_verified": int(tab["verified"].sum()), "drafts_accepted": int(tab["accepted"].sum()),
+        "kv_used_mean": round(float(tab["kv_used"].mean()), 4) if len(tab["t"]) else None,
+        "kv_used_max": round(float(tab["kv_used"].max()), 4) if len(tab["t"]) else None,
     }
     for name, mask in (("decode_only", dec & ~pre), ("prefill_only", pre & ~dec), ("mixed", dec & pre)):
         own = np.unique(owner[mask]) if len(starts) else np.zeros(0, dtype=int)
