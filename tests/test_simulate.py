@@ -117,7 +117,7 @@ def _oracle(eng, continuations: dict, corrupt: float = 0.35, seed: int = 0):
 @pytest.fixture(scope="module")
 def pair(tiny_dir, tmp_path_factory):
     """The tiny pair, its greedy continuations, a workload of 6 random prompts and a table on
-    which compact trims (a verify token costs a twentieth of the step)."""
+    which compact trims (a draft verified costs a third of an empty step)."""
     from nanodspark import LLM, SamplingParams
     d = tmp_path_factory.mktemp("sim_pair")
     shutil.copytree(tiny_dir, d / "pair")
@@ -129,15 +129,15 @@ def pair(tiny_dir, tmp_path_factory):
                 kv_cache_memory_gb=0.05, max_num_seqs=4)
     outs = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     conts = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
-    table = CostTable({(b, k): 0.050 + 0.004 * b + 0.003 * k for b in (1, 2, 3, 4) for k in range(0, 3 * b + 1)},
+    table = CostTable({(b, k): 0.030 + 0.004 * b + 0.010 * k for b in (1, 2, 3, 4) for k in range(0, 3 * b + 1)},
                       model_name=str(d / "pair"), dtype="torch.float32", device="cpu")
     table.save(d / "cost.json")
-    plain_table = CostTable({(b, 0): 0.045 + 0.004 * b for b in (1, 2, 3, 4)})
+    plain_table = CostTable({(b, 0): 0.025 + 0.004 * b for b in (1, 2, 3, 4)})
     cost = StepCost(table, plain_table, host_s=0.002, prefill_s=0.01, prefill_token_s=2e-4)
     return {"dir": d / "pair", "table": d / "cost.json", "work": work, "conts": conts, "cost": cost, "plain": plain}
 
 
-WARMUP_S, WINDOW_S, CLIENTS = 0.1, 0.4, 2
+WARMUP_S, WINDOW_S, CLIENTS = 0.1, 1.0, 3
 
 
 def _measure(pair, system: str):
@@ -183,14 +183,15 @@ def test_the_simulator_follows_the_engine_step_for_step_on_its_own_traces(pair, 
 
 def test_compact_is_predicted_from_static_traces_within_the_stated_error(pair, measured):
     """The approximation the simulator makes (acceptance replayed by step, recorded under
-    static): compact's total tok/s within 10 % (the issue's bar), and the ordering of the three
-    systems right."""
+    static): compact's total tok/s within 10 % (the issue's bar; 3.8 % when written), the
+    others exact, and which system is fastest right."""
     _, static_traces, mbt = measured["static"]
     pred = {s: summarize(_simulate(pair, s, static_traces if s != "no-spec" else None, mbt))["total_tok_s"]
             for s in ("no-spec", "static", "compact")}
     meas = {s: summarize(measured[s][0])["total_tok_s"] for s in pred}
     assert abs(pred["compact"] / meas["compact"] - 1) < 0.10, (pred, meas)
-    assert sorted(pred, key=pred.get) == sorted(meas, key=meas.get)
+    assert pred["static"] == meas["static"] and pred["no-spec"] == meas["no-spec"]
+    assert max(pred, key=pred.get) == max(meas, key=meas.get)
     acc = summarize(measured["compact"][0])["accounting"]
     assert acc["drafts_verified"] < 3 * acc["decode_request_steps"]         # compact did trim
 
@@ -213,7 +214,8 @@ def test_trace_picker_replays_the_recorded_request_of_the_same_prompt():
     t = Traces(2, [RequestTrace(f"r{i}", np.zeros((n, 2), np.float32), np.zeros(n, np.int64))
                    for i, n in ((0, 3), (1, 2), (4, 9), (5, 1))])
     pick = trace_picker(t, n_prompts=4)
-    assert pick(8).request_id == "r4" and pick(1).request_id == "r1" and pick(5).request_id == "r1"
+    assert pick(8).request_id == "r4" and pick(9).request_id == "r1" and pick(5).request_id == "r5"
+    assert pick(0).request_id == "r0"     # its own, although r4 (the same prompt) is longer
     assert pick(3).request_id == "r5"     # prompt 3 was never recorded: the traces in turn
 
 

@@ -107,10 +107,12 @@ class _Request:
 
 
 def trace_picker(traces: Traces | None, n_prompts: int):
-    """Request i -> the trace it replays: the longest recorded request with the same prompt
-    (ids "r<j>" with j = i mod n_prompts, as `bench serve` names them), else the traces in turn."""
+    """Request i -> the trace it replays: request i's own if it was recorded (`bench serve` names
+    requests "r<i>"), else the longest recorded request with the same prompt (j = i mod
+    n_prompts), else the traces in turn."""
     if traces is None or not traces.requests:
         return lambda i: None
+    by_id = {t.request_id: t for t in traces.requests}
     by_prompt: dict[int, RequestTrace] = {}
     for t in traces.requests:
         if t.request_id[1:].isdigit() and n_prompts:
@@ -118,7 +120,7 @@ def trace_picker(traces: Traces | None, n_prompts: int):
             if k not in by_prompt or len(t.full) > len(by_prompt[k].full):
                 by_prompt[k] = t
     reqs = traces.requests
-    return lambda i: by_prompt.get(i % n_prompts) or reqs[i % len(reqs)]
+    return lambda i: by_id.get(f"r{i}") or by_prompt.get(i % n_prompts) or reqs[i % len(reqs)]
 
 
 def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None, cost: StepCost, concurrency: int,
