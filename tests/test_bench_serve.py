@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import sys
-import types
 from types import SimpleNamespace as NS
 
 import numpy as np
