@@ -405,22 +405,22 @@ class LLMEngine:
             stop = eos.any(1)
             take = np.where(stop, eos.argmax(1) + 1, take)
         b.append_rows(s, toks, take)
-        out.add_rows(d.requests[rows], toks, take)
+        own = stop | length | b.text[s]                 # these get a RequestOutput of their own below
+        quiet = ~own
+        out.add_rows(d.requests[rows][quiet], toks[quiet], take[quiet], b.spec[s[quiet]], b.out_len[s[quiet]])
         # Python only for the rows that need it
         bs, W = self.config.block_size, self.scheduler.window_kept
         crossed = ((before + count) // bs > before // bs) | ((before + count - W) // bs > (before - W) // bs)
         first = n_out == 0
-        special = np.flatnonzero(stop | length | b.text[s] | crossed | first)
-        for i in special.tolist():
+        for i in np.flatnonzero(own | crossed | first).tolist():
             req = d.requests[rows[i]]
             if first[i] and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if crossed[i]:
                 self.scheduler.settle(req, int(before[i]))
-            if stop[i] or length[i] or b.text[s[i]]:
+            if own[i]:
                 new = toks[i, :take[i]].tolist()
-                reason = "stop" if stop[i] else "length" if length[i] else None
-                out.replace(self._text(req, new, reason))
+                out.add(self._text(req, new, "stop" if stop[i] else "length" if length[i] else None))
         applied = np.zeros(len(d.slots), dtype=bool)
         applied[rows] = True
         return applied

@@ -135,10 +135,11 @@ class LLM:
             raise
         show = (eng.config.use_tqdm if use_tqdm is None else use_tqdm) and len(reqs) > 1
         bar = tqdm(total=len(reqs), desc="generate", disable=not show)
-        while any(r.status != Status.FINISHED for r in reqs) or eng.loop.pending:
-            for out in eng.step():
-                if out.finished:
-                    bar.update(1)
+        left = {r.request_id for r in reqs if r.status != Status.FINISHED}
+        while left or eng.in_flight:
+            done = [o.request_id for o in eng.step().finished if o.request_id in left]   # not every row: O(finished)
+            left.difference_update(done)
+            bar.update(len(done))
         bar.close()
         results = [GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text, r.finish_reason,
                                     r.spec.as_dict(), prompt=text) for r, (text, _, _) in zip(reqs, batch)]

@@ -238,13 +238,13 @@ class GenerationOutput:
 
 class StepOutputs:
     """What one `LLMEngine.step` produced: a sequence of `RequestOutput`, one per request that
-    got tokens or finished. The decode rows of requests nothing happened to are kept as arrays and
-    turned into `RequestOutput`s only when read (iterating, indexing): a consumer that reads the
-    arrays (`rows`) or only `finished` costs no Python per request. Read it before the next step."""
+    got tokens or finished. The decode rows of requests nothing happened to (no finish, no text)
+    are kept as arrays and turned into `RequestOutput`s only when read (iterating, indexing): a
+    consumer that reads `outputs` and `rows()` costs no Python per such request."""
 
     def __init__(self):
         self.outputs: list[RequestOutput] = []     # built by the engine (finished, text, prefill)
-        self._rows: list[tuple] = []               # (requests [n] object, tokens [n, k], counts [n])
+        self._rows: list[tuple] = []
         self._built: list[RequestOutput] | None = None
 
     def add(self, out: RequestOutput | None) -> None:
@@ -252,35 +252,30 @@ class StepOutputs:
             self.outputs.append(out)
             self._built = None
 
-    def add_rows(self, requests, tokens, counts) -> None:
+    def add_rows(self, requests, tokens, counts, spec, num_output) -> None:
         if len(requests):
-            self._rows.append((requests, tokens, counts))
+            self._rows.append((requests, tokens, counts, spec, num_output))
             self._built = None
-
-    def replace(self, out: RequestOutput) -> None:
-        """The full output of a request also in the rows (its text, its finish)."""
-        self.add(out)
 
     @property
     def finished(self) -> list[RequestOutput]:
         return [o for o in self.outputs if o.finished]
 
-    def rows(self):
-        """(requests, tokens [n, k], counts [n]) of the decode rows: request i's new tokens are
-        tokens[i, :counts[i]] (its full output, if it finished or streams text, is in `outputs`)."""
+    def rows(self) -> list[tuple]:
+        """The quiet decode rows, as arrays: (requests [n] object, tokens [n, k], counts [n], spec
+        [n, 6] (SpecStats' counters, in its field order), output lengths [n]); request i's new
+        tokens are tokens[i, :counts[i]]. No request is both here and in `outputs`."""
         return self._rows
 
     def _build(self) -> list[RequestOutput]:
-        if self._built is None and not self._rows:
-            self._built = list(self.outputs)
         if self._built is None:
-            done = {o.request_id for o in self.outputs}
             built = list(self.outputs)
-            for reqs, toks, counts in self._rows:
-                for req, row, n in zip(reqs.tolist(), toks.tolist(), counts.tolist()):
-                    if req.request_id not in done:
-                        built.append(RequestOutput(req.request_id, row[:n], "", False, None, len(req.prompt_ids),
-                                                   req.num_output, req.spec.as_dict()))
+            names = SpecStats.names()
+            for reqs, toks, counts, spec, nout in self._rows:
+                for req, row, n, sp, m in zip(reqs.tolist(), toks.tolist(), counts.tolist(), spec.tolist(),
+                                              nout.tolist()):
+                    built.append(RequestOutput(req.request_id, row[:n], "", False, None, len(req.prompt_ids), m,
+                                               SpecStats(**dict(zip(names, sp))).as_dict()))
             self._built = built
         return self._built
 

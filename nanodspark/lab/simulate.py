@@ -47,8 +47,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..cost_scheduler import (DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, CostWindows, StaticWindows,
-                              allocate_windows_topk)
+from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, allocate_windows_topk
+from ..windows import CostWindows, StaticWindows
 from ..cost_table import CostTable
 from .bench_serve import Run, RequestRecord, ServeWorkload, median_rows, paired_ratios, summarize
 from .traces import RequestTrace, Traces
@@ -422,20 +422,19 @@ def profile_plain(args) -> dict:
     with `profile_stats.profile_step_cost` (rounds, K = 0 only), saved as a CostTable whose
     model name ends in " (no drafter)"."""
     from .. import LLM
-    from ..overlap_loop import SyncLoop
     from ..sampling import SamplingParams
     from .profile_stats import profile_step_cost
     llm = LLM(args.model, drafter_path="none", use_tqdm=False, max_num_seqs=max(args.batch_sizes),
               kv_cache_memory_gb=args.kv_gb, enable_prefix_cache=False)
     eng = llm.engine
-    eng.loop = SyncLoop(eng)
+    eng.overlap = False                      # synchronous steps: each timed call is one step
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - args.context - 1), ignore_eos=True)
     state = {"bs": None, "reqs": []}
     rng = np.random.default_rng(0)
 
     def prepare(bs: int, k: int) -> None:
-        if state["bs"] == bs and max(len(r.output_ids) for r in state["reqs"]) <= 16:
+        if state["bs"] == bs and max(r.num_output for r in state["reqs"]) <= 16:
             return
         for r in state["reqs"]:
             eng.abort(r.request_id)

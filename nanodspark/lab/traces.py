@@ -50,18 +50,26 @@ class StepArrays:
 
 
 def step_arrays(result, gamma: int) -> StepArrays:
-    """The adapter: a `StepResult` (engine.py / step.py) as `StepArrays`. Re-point this one
-    function when the step's result changes shape."""
-    rows = [c for c in result.commits if c.verify is not None]
-    chunks = [c for c in result.commits if c.verify is None]
-    n = len(rows)
-    conf = np.array([c.verify.conf for c in rows], dtype=np.float32).reshape(n, gamma)
-    ints = lambda f: np.fromiter((f(c.verify) for c in rows), np.int64, n)  # noqa: E731
-    recompute = sum(c.advanced for c in chunks if len(c.request.output_ids) > len(c.tokens))
-    return StepArrays(result.step, float(result.seconds), [c.request.request_id for c in rows], conf,
-                      ints(lambda v: v.window), ints(lambda v: v.verified), ints(lambda v: v.accepted),
-                      ints(lambda v: -1 if v.ceiling is None else v.ceiling),
-                      sum(c.advanced for c in chunks), recompute, len(chunks))
+    """The adapter: a `StepResult` (step.py: prefill chunks, and the decode rows as arrays) as
+    `StepArrays`. Re-point this one function when the step's result changes shape."""
+    d, chunks = result.decode, result.prefill
+    rows = 0 if d is None else len(d.slots)
+    if rows:
+        o = d.out
+        ids = [r.request_id for r in d.requests.tolist()]
+        conf = o.conf.astype(np.float32).reshape(rows, gamma)
+        win, ver, acc = o.windows.astype(np.int64), o.verified.astype(np.int64), d.accepted.astype(np.int64)
+        # the leading run of accepted drafts is the full block's acceptance where the whole block was scored
+        # (static, cap-accept); a trimmed compact row has none (-1)
+        ceiling = np.where(ver >= gamma, o.ceiling, -1).astype(np.int64)
+    else:
+        ids, conf = [], np.zeros((0, gamma), np.float32)
+        win = ver = acc = ceiling = np.zeros(0, np.int64)
+    advanced = sum(len(c.chunk.token_ids) for c in chunks)
+    recompute = sum(len(c.chunk.token_ids) for c in chunks if c.request is not None and c.request.num_output >
+                    (1 if c.token is not None else 0))
+    return StepArrays(result.step, float(result.seconds), ids, conf, win, ver, acc, ceiling, advanced, recompute,
+                      len(chunks))
 
 
 def full_block_accepted(s: StepArrays, gamma: int) -> np.ndarray:

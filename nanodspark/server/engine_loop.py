@@ -44,6 +44,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..request import SpecStats
 from ..sampling import SamplingParams
 
@@ -265,8 +267,10 @@ class EngineLoop:
                         raise
                     log.exception("engine step failed")
                     outs = self._step_failed(f"engine step failed: {e}")
-                for out in outs:
+                for out in getattr(outs, "outputs", outs):   # finished, text, prefill: one by one
                     self._row(out)
+                for rows in outs.rows() if hasattr(outs, "rows") else ():   # the quiet decode rows: arrays
+                    self._rows(*rows)
                 stalled = not outs and eng.has_unfinished()
                 self._dirty = True
             self._flush()
@@ -321,6 +325,15 @@ class EngineLoop:
         o.token_ids.extend(out.new_token_ids)
         spec = out.spec or {}
         o.spec.extend([spec.get(k, 0) for k in SPEC_FIELDS])
+
+    def _rows(self, requests, tokens, counts, spec, num_output) -> None:
+        """Quiet decode rows (no finish) into the outgoing arrays, a few array operations."""
+        o = self._out
+        o.request_ids.extend(r.request_id for r in requests.tolist())
+        o.num_tokens.extend(counts.tolist())
+        k = np.arange(tokens.shape[1])
+        o.token_ids.extend(tokens[k[None, :] < counts[:, None]].tolist())
+        o.spec.extend(spec.reshape(-1).tolist())
 
     def _step_failed(self, message: str) -> list:
         """An engine-wide fault: every request in flight fails; new ones are served."""
