@@ -77,10 +77,7 @@ class OverlapLoop:
         self.pending = None          # the StepHandle in flight
 
     def step(self):
-        # BEGIN STUDENT overlap: OverlapLoop.step: schedule step n+1 (on Drain, commit the step in flight
-        #   first, then schedule again), launch it if there is anything to run, then commit step n (the one
-        #   pending), keep n+1 pending; return the outputs committed; clock laps schedule and launch, steps
-        #   += 1 per launch
+        # BEGIN STUDENT overlap step
         eng = self.engine
         eng.clock.start()
         outs = []
@@ -102,8 +99,7 @@ class OverlapLoop:
         # END STUDENT overlap
 
     def _commit_pending(self):
-        # BEGIN STUDENT overlap: _commit_pending: wait for the step in flight (its result) and commit it,
-        #   clearing pending; clock laps wait and commit; [] when nothing is in flight
+        # BEGIN STUDENT overlap commit-pending
         if self.pending is None:
             return []
         handle, self.pending = self.pending, None
