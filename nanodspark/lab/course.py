@@ -152,17 +152,19 @@ UNITS: tuple[Unit, ...] = (
                  "test_a_row_depends_on_its_seed_and_position_only")),
              Group("an oracle's drafts are accepted in full, in every mode", 20, _ids(
                  _VC, "test_an_oracle_draft_is_accepted_in_full_in_every_mode")
-                   + _ids(_V, "test_greedy_spec_equals_target_only[static-True]",
-                          "test_greedy_spec_equals_target_only[compact-True]",
-                          "test_greedy_spec_equals_target_only[cap-accept-True]")),
+                   + _ids(_V, "test_greedy_spec_equals_target_only[True-static]",
+                          "test_greedy_spec_equals_target_only[True-compact]",
+                          "test_greedy_spec_equals_target_only[True-cap-accept]")),
              Group("the engine: greedy output equals target-only", 10, _ids(
-                 _V, "test_greedy_spec_equals_target_only[static-False]",
-                 "test_greedy_spec_equals_target_only[compact-False]",
-                 "test_greedy_spec_equals_target_only[cap-accept-False]")),
+                 _V, "test_greedy_spec_equals_target_only[False-static]",
+                 "test_greedy_spec_equals_target_only[False-compact]",
+                 "test_greedy_spec_equals_target_only[False-cap-accept]")),
              Group("the engine: sampled output follows the target's law", 10, _ids(
-                 _V, "test_sampling_spec_follows_target_distribution")),
+                 _V, "test_sampling_spec_follows_target_distribution[static]",
+                 "test_sampling_spec_follows_target_distribution[compact-forced]")),
              Group("coupled rows commit the target's own sample", 10, _ids(
-                 _VC, "test_coupled_rows_commit_the_targets_own_sample")),
+                 _VC, "test_coupled_rows_commit_the_targets_own_sample")
+                   + _ids(_V, "test_coupled_sampling_gives_target_only_tokens")),
              Group("hidden: more batches against the one-request rules", 10, _ids(_VH, ""), hidden=True)),
          quick=_ids(_VC, "test_greedy_rows_accept_the_leading_matches"),
          needs=("paged-kv", "drafter", "ragged-graphs", "overlap")),
