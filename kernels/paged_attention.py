@@ -295,6 +295,7 @@ def _merge_chunks_kernel(
     d_ok = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + t * stride_lt + h
     part_row = part_o_ptr + t * stride_pt + h * stride_ph + offs_d
+    # BEGIN STUDENT kernel merge-chunks
     m = tl.load(lse_row + first * stride_ls)
     for i in range(1, cnt):
         m = tl.maximum(m, tl.load(lse_row + (first + i) * stride_ls))
@@ -308,6 +309,7 @@ def _merge_chunks_kernel(
         acc += w * tl.load(part_row + (first + i) * stride_ps, mask=d_ok, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+    # END STUDENT kernel
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,12 @@ UNITS: tuple[Unit, ...] = (
                     "test_budget_hand_example_and_min_gain_guard")),
     Unit("kernel", "the Triton paged attention kernel: key range, paged online softmax, split-KV merge",
          "walkthrough/03_kernels.md", (
-             Group("named cases against the reference", 40, _ids(
+             Group("named cases against the reference", 35, _ids(
                  "tests/test_kernels.py", "test_paged_attention_matches_reference")),
-             Group("random cases against the reference", 25, _ids("tests/test_kernels.py", "test_paged_attention_random")),
+             Group("random cases against the reference", 20, _ids("tests/test_kernels.py", "test_paged_attention_random")),
              Group("split-KV and one pass agree", 15, _ids("tests/test_kernels.py", "test_split_and_single_pass_agree")),
+             Group("the fixed (batch-invariant) schedule", 10, _ids(
+                 "tests/test_batch_invariance.py", "test_fixed_schedule_matches_the_reference_on_ragged_batches")),
              Group("hidden: more shapes", 20, _ids("tests/hidden/test_hidden_kernel.py", ""), hidden=True)),
          quick=_ids("tests/test_kernels.py", "test_paged_attention_matches_reference[verify_mixed_gqa1-{dev}]",
                     "test_paged_attention_matches_reference[more_splits_than_tiles-{dev}]")),
@@ -334,6 +336,10 @@ def parse_regions(text: str, rel: str) -> list[Region]:
     if open_ is not None:
         raise ValueError(f"{rel}:{open_[0]}: BEGIN STUDENT without END")
     return out
+
+
+def regions_in_file(rel: str, root: Path = ROOT) -> list[Region]:
+    return parse_regions((root / rel).read_text(), rel)
 
 
 def region_files(root: Path = ROOT) -> list[str]:
