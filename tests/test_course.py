@@ -68,6 +68,7 @@ def test_handouts_points_and_tests_agree_with_the_units():
         key = ROOT / course.KEYS / f"{u.name}.md"
         assert len(questions) >= 3 and len(re.findall(r"^\d+\. ", key.read_text(), re.M)) == len(questions)
         assert "tests/hidden" not in text                      # the handout is exported
+        assert all(f"`{n}`" in text.split("## Questions")[0] for n in u.needs), f"{u.handout}: say what it needs"
         for g in u.groups:
             for node in g.tests:
                 file, _, rest = course._dev(node).partition("::")

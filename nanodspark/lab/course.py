@@ -123,7 +123,7 @@ UNITS: tuple[Unit, ...] = (
              Group("hidden: plans against the definition", 20,
                    _ids("tests/hidden/test_hidden_swa_replay.py", ""), hidden=True)),
          quick=_ids("tests/test_swa_replay.py", "test_plan_replay"),
-         needs=("paged-kv",)),
+         needs=("paged-kv", "ragged-graphs")),
     Unit("drafter", "the block drafter: parallel block pass, Markov head, confidence head",
          "walkthrough/05_drafter_verify.md", (
              Group("the paged block pass equals the dense training pass", 25, _ids(
@@ -138,8 +138,7 @@ UNITS: tuple[Unit, ...] = (
                  "test_dflash_baseline_has_no_markov_or_confidence")),
              Group("hidden: the heads against their formulas", 25,
                    _ids("tests/hidden/test_hidden_drafter.py", ""), hidden=True)),
-         quick=_ids("tests/test_drafter.py", "test_paged_inference_equals_dense_training_path"),
-         needs=("paged-kv",)),
+         quick=_ids("tests/test_drafter.py", "test_paged_inference_equals_dense_training_path")),
     Unit("verify", "lossless verification: greedy and rejection sampling, one request and a batch",
          "walkthrough/05_drafter_verify.md", (
              Group("one request, on host values", 10, _ids(
@@ -167,14 +166,12 @@ UNITS: tuple[Unit, ...] = (
                    + _ids(_V, "test_coupled_sampling_gives_target_only_tokens")),
              Group("hidden: more batches against the one-request rules", 10, _ids(_VH, ""), hidden=True)),
          quick=_ids(_VC, "test_greedy_rows_accept_the_leading_matches"),
-         needs=("paged-kv", "drafter", "ragged-graphs", "overlap")),
-    Unit("sts", "STS calibration: ECE, temperatures fitted left to right, their application",
+         needs=("paged-kv", "swa-replay", "drafter", "ragged-graphs")),
+    Unit("sts", "STS calibration: ECE, temperatures (and shifts) fitted left to right",
          "walkthrough/06_calibration.md", (
-             Group("ECE", 20, _ids("tests/test_calibration.py", "test_ece_hand_computed", "test_position_metrics_use_only_valid_rows",
+             Group("ECE", 25, _ids("tests/test_calibration.py", "test_ece_hand_computed", "test_position_metrics_use_only_valid_rows",
                                    "test_online_metrics_match_batch_ece", "test_ece_noise_floor_tracks_sampling_noise")),
-             Group("applying temperatures and shifts", 15, _ids(
-                 "tests/test_calibration.py", "test_apply_temperatures_keeps_dtype_device_and_identity")),
-             Group("the left-to-right fit", 45, _ids(
+             Group("the left-to-right fit", 55, _ids(
                  "tests/test_calibration.py", "test_sts_recovers_known_temperatures_and_lowers_ece",
                  "test_sts_with_shifts_removes_an_offset_that_temperatures_cannot",
                  "test_sts_identity_when_already_calibrated", "test_sts_position_without_samples_keeps_identity")),
@@ -225,7 +222,7 @@ UNITS: tuple[Unit, ...] = (
                    _ids("tests/hidden/test_hidden_ragged_graphs.py", ""), hidden=True)),
          quick=_ids("tests/test_ragged_graphs.py", "test_pack_rows_lays_requests_out_contiguously_and_pads_the_rest",
                     "test_tiers_fix_slots_and_tokens_and_the_smallest_fitting_one_is_picked"),
-         needs=("paged-kv", "drafter", "verify", "overlap")),
+         needs=("paged-kv", "swa-replay", "drafter", "verify")),
     Unit("overlap", "the overlapped loop: launch step n+1, then commit step n",
          "walkthrough/11_overlap_loop.md", (
              Group("the order of launches and commits", 40, _ids(
@@ -240,7 +237,7 @@ UNITS: tuple[Unit, ...] = (
              Group("hidden: random schedules against a synchronous loop", 20,
                    _ids("tests/hidden/test_hidden_overlap.py", ""), hidden=True)),
          quick=_ids("tests/test_overlap_loop.py", "test_the_loop_launches_the_next_step_before_it_commits_this_one"),
-         needs=("paged-kv", "drafter", "verify", "ragged-graphs")),
+         needs=("paged-kv", "swa-replay", "drafter", "verify", "ragged-graphs", "eplb")),
     Unit("eplb", "EPLB placement: pack groups to nodes, replicate hot experts, pack replicas to GPUs",
          "walkthrough/12_eplb.md", (
              Group("balanced packing", 20, _ids(
@@ -262,7 +259,7 @@ UNITS: tuple[Unit, ...] = (
          quick=_ids("tests/test_eplb.py", "test_balanced_packing_largest_first_into_the_lightest_pack_with_room",
                     "test_replicate_experts_gives_each_extra_slot_to_the_most_loaded_per_replica",
                     "test_readme_example_is_reproduced_up_to_order_within_a_gpu"),
-         needs=("paged-kv",)),
+         needs=("paged-kv", "swa-replay", "ragged-graphs")),
 )
 
 

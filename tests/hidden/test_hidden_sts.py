@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from nanodspark.calibration import apply_temperatures, ece, fit_sts
+from nanodspark.calibration import ece, fit_sts
 
 
 def ece_by_loops(pred, label, n_bins=10):
@@ -24,16 +24,6 @@ def test_ece_on_random_samples():
         label = [float(rng.random() < 0.6) for _ in range(n)]
         assert math.isclose(ece(pred, label, bins), ece_by_loops(pred, label, bins), abs_tol=1e-12)
     assert math.isnan(ece([], []))
-
-
-def test_apply_temperatures_on_random_logits():
-    g = torch.Generator().manual_seed(7)
-    z = torch.randn(5, 4, generator=g)
-    t, s = torch.rand(4, generator=g) + 0.5, torch.randn(4, generator=g)
-    want = torch.tensor([[1 / (1 + math.exp(-(float(z[i, k]) / float(t[k]) + float(s[k])))) for k in range(4)]
-                         for i in range(5)])
-    assert torch.allclose(apply_temperatures(z, t, s), want, atol=1e-6)
-    assert torch.allclose(apply_temperatures(z, t), torch.sigmoid(z / t), atol=1e-7)
 
 
 def test_plain_sts_picks_the_grid_temperature_of_least_ece_left_to_right():
