@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import re
 import secrets
 import shutil
@@ -55,6 +56,7 @@ class Run:
     seconds: float
     output: str
     report: bool                 # pytest wrote its JUnit XML
+    cpu_seconds: float = 0.0     # the run's CPU time (user + system), a busy machine's fairer clock
 
 
 # ----------------------------------------------------------------------------- pytest, and its report
@@ -77,7 +79,7 @@ def run_pytest(tree: Path, ids: list[str], capture: bool = True, extra=(), timeo
         xml = Path(tmp, "report.xml")
         cmd = [sys.executable, "-m", "pytest", *_pytest_args(tree), "--tb=short", "-q", f"--junitxml={xml}",
                *extra, *ids]
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.Popen(cmd, cwd=tree, env=_env(tree), text=True, start_new_session=True,
                                 stdout=subprocess.PIPE if capture else None,
                                 stderr=subprocess.STDOUT if capture else None)
@@ -92,8 +94,10 @@ def run_pytest(tree: Path, ids: list[str], capture: bool = True, extra=(), timeo
                 pass
             proc.wait()
         seconds = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
         results = read_junit(xml) if xml.exists() else {}
-        return Run(results, proc.returncode, seconds, output or "", xml.exists())
+        return Run(results, proc.returncode, seconds, output or "", xml.exists(), cpu)
 
 
 def read_junit(path: Path) -> dict[str, dict]:
@@ -281,7 +285,8 @@ def grade_units(student: Path | None, names: list[str], hidden: bool = True, qui
             for r in got:
                 r.update(score=0, passed=0, failures=[("(all)", verdict)])
         rows += got
-    return {"rows": rows, "report": verdict, "seconds": run.seconds, "regions": info["regions"],
+    return {"rows": rows, "report": verdict, "seconds": run.seconds, "cpu_seconds": run.cpu_seconds,
+            "units": names, "regions": info["regions"],
             "notes": info["notes"], "output": run.output[-20000:]}
 
 
@@ -308,6 +313,8 @@ def grade_student(student: Path | None, names: list[str], hidden: bool, quick: b
             "visibility": "visible", "stdout_visibility": "hidden", "output": "\n".join(summary), "tests": tests,
             "extra_data": {"student": str(student) if student else "the reference", "units": names,
                            "reports": [p["report"] for p in parts], "regions": regions, "flagged": flagged,
+                           "seconds": {",".join(p["units"]): [round(p["seconds"], 1), round(p["cpu_seconds"], 1)]
+                                       for p in parts},
                            "percent": round(100.0 * score / most, 2) if most else 0.0}}
 
 
