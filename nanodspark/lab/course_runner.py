@@ -231,7 +231,17 @@ def build_tree(dest: Path, student: Path | None, names: list[str], hidden: bool 
                     "from": "student",
                     "flags": sorted({m.group(0).rstrip("(") for m in FLAGS.finditer(_code_only(code))}),
                     "same_as_reference": _normal(code) == _normal("".join(ref_bodies[r.key]))}
-        text = render(ref, rel, set(names), bodies)
+        try:
+            text = render(ref, rel, set(names), bodies)
+        except SyntaxError:                   # some region does not parse in place: it keeps the stub
+            for key in [k for k in bodies if student is not None]:
+                try:
+                    render(ref, rel, set(names), {key: bodies[key]})
+                except SyntaxError as e:
+                    del bodies[key]
+                    info["regions"][f"{key[0]}/{key[1]}"] = {"from": "missing"}
+                    info["notes"].append(f"{rel}: region {key[1]} does not parse ({e.msg}, line {e.lineno})")
+            text = render(ref, rel, set(names), bodies)
         (dest / rel).write_text(text)
     return info
 
