@@ -1,14 +1,16 @@
 """The course (nanodspark/lab/course.py, course_runner.py), graded honestly.
 
-Fast checks: regions, hints, handouts, points and test ids agree; starters import; an export
-holds no line of its units' solution (and none of the instructor's files); the grader builds
-its tree from the student's regions only. Then grading runs on the `cost-scheduler` unit (its
-tests take seconds): the reference copied into an export scores 100; the exported starter, with
-a conftest hook, a report forged from outside the regions and the reference loaded by path,
-scores 0; a hook or a forged report from inside a region turns the canary and scores 0; an
-answer that never trims scores below 40 %. `-m slow`: every unit exported at once, the
-references graded 100 and the starters 0; the degenerate answers of `verify` and `paged-kv`
-below 40 %; each unit's tests pass with every unit it does not need stubbed."""
+Fast checks: regions, hints, handouts, points and test ids agree; starters parse; an export
+holds no line of its units' solution (and none of the instructor's files); for every unit, the
+grader's tree takes the student's regions only (a conftest, or a report forged from the top of
+the file, stays out; the package holds no solution to load). Then grading runs on the
+`cost-scheduler` unit (its tests take seconds): the reference copied into an export scores 100;
+the exported starter, with a conftest hook, a report forged from outside the regions and the
+reference loaded by path, scores 0; a hook registered from inside a region turns the canary and
+scores 0; an answer that never trims scores below 40 %. `-m slow`: a report forged from inside a
+region; every unit exported at once, the references graded 100 and the starters 0; the
+degenerate answers of `verify` and `paged-kv` below 40 %; each unit's tests pass with every unit
+it does not need stubbed."""
 import ast
 import json
 import re
@@ -241,6 +243,30 @@ def test_the_grading_tree_takes_the_regions_and_nothing_else(tmp_path, export_un
     assert {"importlib", "__path__"} <= set(info["regions"][f"{UNIT}/algorithm1"]["flags"])
     assert info["regions"][f"{UNIT}/budget"] == {"from": "missing"}                # does not parse: the stub
     assert any("region budget does not parse" in n for n in info["notes"])
+
+
+@pytest.mark.parametrize("name", [u.name for u in course.UNITS])
+def test_for_every_unit_an_attack_outside_the_regions_grades_as_the_starter(tmp_path, export_all, name):
+    """The exported files with a report forged and a hook registered at their top, conftest
+    files beside them: the grading tree holds the starter, the instructor's conftest, and no
+    line of the unit's solution anywhere in the package (so there is none to copy or load)."""
+    sub = tmp_path / "sub"
+    for f in course.unit_files(name):
+        (sub / f).parent.mkdir(parents=True, exist_ok=True)
+        (sub / f).write_text(FORGE + HOOK + (export_all / f).read_text())
+    for rel in ("conftest.py", "tests/conftest.py"):
+        (sub / rel).parent.mkdir(parents=True, exist_ok=True)
+        (sub / rel).write_text(CONFTEST)
+    tree = tmp_path / "tree"
+    info = course_runner.build_tree(tree, sub, [name], hidden=False)
+    for f in course.unit_files(name):
+        assert (tree / f).read_text() == course.starter_text(f, name)
+    assert all(v == {"from": "missing"} for v in info["regions"].values())
+    assert (tree / "tests/conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
+    assert not (tree / "conftest.py").exists()
+    secret = solution_lines(name)
+    for p in (q for d in ("nanodspark", "kernels") for q in (tree / d).rglob("*.py")):
+        assert not [s for s in secret if s in p.read_text()], p
 
 
 # ----------------------------------------------------------------------------- grading, for real
