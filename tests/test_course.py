@@ -330,6 +330,7 @@ def test_exporting_every_unit_then_grading_the_references_gives_100_and_the_star
     assert course.main(["grade", "--student", str(ref)]) == 0
     res = json.loads((ref / "results.json").read_text())
     assert res["score"] == res["max_score"], [t["name"] for t in res["tests"] if t["score"] < t["max_score"]]
+    print("seconds per unit, wall and CPU:", res["extra_data"]["seconds"])      # the handouts' run times
     assert course.main(["grade", "--student", str(export_all)]) == 1
     res = json.loads((export_all / "results.json").read_text())
     assert res["score"] == 0 and res["max_score"] > 0, [t["name"] for t in res["tests"] if t["score"]]
