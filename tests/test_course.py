@@ -269,6 +269,27 @@ def test_for_every_unit_an_attack_outside_the_regions_grades_as_the_starter(tmp_
         assert not [s for s in secret if s in p.read_text()], p
 
 
+def test_the_report_is_read_by_test_case_whatever_file_defined_the_test(tmp_path):
+    """pytest's JUnit XML names a case by its module's dotted path and its classes; `file` may
+    name the library that defined the test (a hypothesis state machine's runTest)."""
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_paged_kv_contract.test_paged_kv_public_state_machine" name="runTest"'
+        ' file=".venv/lib/python3.11/site-packages/hypothesis/stateful.py"/>'
+        '<testcase classname="tests.test_verify" name="test_greedy_spec_equals_target_only[True-static]"'
+        ' file="tests/test_verify.py"><failure message="boom">trace</failure></testcase>'
+        '<testcase classname="tests.hidden.test_hidden_eplb" name="test_x"><skipped message="no gpu"/></testcase>'
+        '<testcase classname="" name="tests.test_broken"><error message="collection failed"/></testcase>'
+        '</testsuite></testsuites>')
+    got = course_runner.read_junit(xml, ROOT)
+    assert got["tests/test_paged_kv_contract.py::test_paged_kv_public_state_machine::runTest"]["outcome"] == "passed"
+    assert got["tests/test_verify.py::test_greedy_spec_equals_target_only[True-static]"] == {
+        "outcome": "failed", "message": "boom\ntrace"}
+    assert got["tests/hidden/test_hidden_eplb.py::test_x"]["outcome"] == "skipped"
+    assert [r["outcome"] for k, r in got.items() if k.startswith("<collection>")] == ["error"]
+
+
 # ----------------------------------------------------------------------------- grading, for real
 def grade(student, *extra) -> tuple[int, dict]:
     out = Path(student) / "results.json"

@@ -96,12 +96,14 @@ def run_pytest(tree: Path, ids: list[str], capture: bool = True, extra=(), timeo
         seconds = time.perf_counter() - t0
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
-        results = read_junit(xml) if xml.exists() else {}
+        results = read_junit(xml, tree) if xml.exists() else {}
         return Run(results, proc.returncode, seconds, output or "", xml.exists(), cpu)
 
 
-def read_junit(path: Path) -> dict[str, dict]:
-    """node id -> outcome, from pytest's JUnit XML (xunit1: each case names its file)."""
+def read_junit(path: Path, root: Path) -> dict[str, dict]:
+    """node id -> outcome, from pytest's JUnit XML. A case's classname is its module's dotted path
+    under `root`, then its classes (its `file` may name where the test function was defined, as
+    for a hypothesis state machine)."""
     out: dict[str, dict] = {}
     try:
         cases = ET.parse(path).getroot().iter("testcase")
@@ -109,13 +111,14 @@ def read_junit(path: Path) -> dict[str, dict]:
         return out
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
     for c in cases:
-        file, cls, name = c.get("file"), c.get("classname", ""), c.get("name", "")
-        if file:
-            module = file[:-3].replace("/", ".") if file.endswith(".py") else file
-            inner = cls[len(module) + 1:].split(".") if cls.startswith(module + ".") else []
-            node = "::".join([file, *inner, name])
-        else:
-            node = f"<collection> {cls}.{name}".strip()
+        cls, name = c.get("classname", ""), c.get("name", "")
+        parts = cls.split(".")
+        node = f"<collection> {cls}.{name}"
+        for i in range(len(parts), 0, -1):
+            file = "/".join(parts[:i]) + ".py"
+            if (root / file).is_file():
+                node = "::".join([file, *parts[i:], name])
+                break
         outcome, message = "passed", ""
         for child in c:
             tag = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(child.tag)
