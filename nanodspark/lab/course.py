@@ -259,7 +259,7 @@ UNITS: tuple[Unit, ...] = (
          quick=_ids("tests/test_eplb.py", "test_balanced_packing_largest_first_into_the_lightest_pack_with_room",
                     "test_replicate_experts_gives_each_extra_slot_to_the_most_loaded_per_replica",
                     "test_readme_example_is_reproduced_up_to_order_within_a_gpu"),
-         needs=("paged-kv", "swa-replay", "ragged-graphs")),
+         needs=("paged-kv", "swa-replay", "verify", "ragged-graphs")),
 )
 
 
