@@ -114,9 +114,7 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # ---- which keys: [lo, hi) covers every key some row of this tile may read -----------------
-    # BEGIN STUDENT kernel: which keys: pos, the position of each row (causal: kv_len - q_len + its token;
-    #   else kv_len - 1), and [lo, hi), every key some row of this tile may read: hi stops after the tile's
-    #   last row (causal) or at kv_len; lo starts at kv_start, the window of the tile's first row, and 0
+    # BEGIN STUDENT kernel key-range
     first_pos = kv_len - q_len               # position of the request's first query row
     if CAUSAL:
         pos = first_pos + qi                 # position of each row
@@ -167,11 +165,7 @@ def _paged_attention_kernel(
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
 
-    # BEGIN STUDENT kernel: the walk over key tiles start = s_lo, s_lo + BLOCK_N, .. < s_hi: each key's page
-    #   from the block table (keys outside [lo, s_hi) and -1 pages masked off the loads), K and V rows at
-    #   page * stride + (key % PAGE) * stride_slot, scores q.k * qk_scale set to -inf where a row may not
-    #   read the key (causal, window), and the base-2 online softmax update of m_i, l_i and acc (P.V in fp32
-    #   when F32_DOT, else p in V's dtype)
+    # BEGIN STUDENT kernel key-tiles
     for start in range(s_lo, s_hi, BLOCK_N):
         offs_n = start + offs_n0
         in_range = (offs_n >= lo) & (offs_n < s_hi)
@@ -265,9 +259,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < tl.minimum(cnt, num_splits)
     d_ok = offs_d < HEAD_DIM
-    # BEGIN STUDENT kernel: the split-KV merge of token t, head h: load the num_splits partial outputs and
-    #   their base-2 log-sum-exps, weights w_s = 2^(lse_s - M) with M = max_s lse_s (0 when every split is
-    #   empty), store sum_s w_s o_s / sum_s w_s (0 when no weight)
+    # BEGIN STUDENT kernel merge
     lse = tl.load(part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_ok,
                   other=float("-inf"))
     m = tl.max(lse, 0)
@@ -303,6 +295,7 @@ def _merge_chunks_kernel(
     d_ok = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + t * stride_lt + h
     part_row = part_o_ptr + t * stride_pt + h * stride_ph + offs_d
+    # BEGIN STUDENT kernel merge-chunks
     m = tl.load(lse_row + first * stride_ls)
     for i in range(1, cnt):
         m = tl.maximum(m, tl.load(lse_row + (first + i) * stride_ls))
@@ -316,6 +309,7 @@ def _merge_chunks_kernel(
         acc += w * tl.load(part_row + (first + i) * stride_ps, mask=d_ok, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+    # END STUDENT kernel
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ def _bin_index(pred: torch.Tensor, n_bins: int) -> torch.Tensor:
 
 def ece(pred, label, n_bins: int = N_BINS) -> float:
     """Expected calibration error: sum_b n_b/N |mean_pred_b - mean_label_b| (equal-width bins)."""
-    # BEGIN STUDENT sts: ece: sum over equal-width bins (_bin_index) of n_b / N * |mean prediction - mean
-    #   label| in float64; nan for no samples
+    # BEGIN STUDENT sts ece
     p, y = as_float64(pred).flatten(), as_float64(label).flatten()
     if p.numel() == 0:
         return float("nan")
@@ -169,13 +168,10 @@ def apply_temperatures(logits: torch.Tensor, temps, shifts=None) -> torch.Tensor
     Runs on the logits' device and dtype (temps are moved there), so the engine can call it on
     the drafter output without a host sync.
     """
-    # BEGIN STUDENT sts: apply_temperatures: sigmoid(z_k / T_k + s_k) on the logits' device and dtype (no
-    #   shift when shifts is None)
     t = torch.as_tensor(temps, dtype=logits.dtype, device=logits.device)
     if shifts is None:
         return torch.sigmoid(logits / t)
     return torch.sigmoid(logits / t + torch.as_tensor(shifts, dtype=logits.dtype, device=logits.device))
-    # END STUDENT sts
 
 
 def sts_grid(t_min: float = STS_T_MIN, t_max: float = STS_T_MAX,
@@ -223,10 +219,7 @@ def _fit_sequential(logits, labels, valid, temp_grid, shifts_grid, rounds: int, 
     temps = torch.ones(gamma, dtype=torch.float64)
     shifts = torch.zeros(gamma, dtype=torch.float64)
     prefix = torch.ones(z.shape[0], dtype=torch.float64)        # prod_{i<k} c_i (already fitted)
-    # BEGIN STUDENT sts: the left-to-right fit: for each position k (valid rows only), with the earlier
-    #   positions fixed, pick T_k on temp_grid (then s_k on shifts_grid, `rounds` times) minimising the loss
-    #   (ECE or log-loss) of the survival prefix * sigmoid(z_k / T + s); _pick breaks ties; a position with
-    #   no valid row keeps (1, 0); then extend the prefix
+    # BEGIN STUDENT sts fit
     for k in range(gamma):
         rows = v[:, k]
         if rows.any():

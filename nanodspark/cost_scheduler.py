@@ -1,54 +1,46 @@
 """Hardware-aware prefix scheduler: how many draft tokens the target verifies, and whose.
 
-Paper: DSpark §3.2.2 (Algorithm 1, the synchronous lossless rule, and Appendix A on why it
-stops early), §5.2 (production relay: budget from confidences two steps old, allocation by
-top-K over the fresh ones). The block-accept ceiling estimator lives in verify.py. Walkthrough: chapter 07.
+Paper: DSpark §3.2.2 (Algorithm 1 and Appendix A on why it stops early), §5.2 (production: a
+budget from confidences two steps old, windows by top-K over the fresh ones). Walkthrough: 07.
 
 The idea
-    Each request r has conditional confidences c_{r,1..gamma}; its survival a_{r,k} =
-    c_{r,1} ... c_{r,k} is the probability that draft k is accepted. Verifying one more draft
-    of r adds a_{r,k} expected tokens and one verify token of cost. With a profiled step cost,
-    the scheduler picks the windows (drafts verified per request) that maximise expected
-    tokens per second, Theta = tau * SPS(B) = tau / T(B), where B = R + sum(windows) verify
-    tokens (one anchor per request plus the drafts) and tau = R + sum of admitted survivals.
-    Because a_{r,k} never increases with k, admitting cells in globally descending survival
-    order always yields prefix windows.
+    Request r has conditional confidences c_{r,1..gamma}; its survival a_{r,k} = c_{r,1} ...
+    c_{r,k} is the probability that draft k is accepted. Verifying one more draft of r adds
+    a_{r,k} expected tokens and one verify token of cost. With a profiled step cost, the
+    scheduler picks the windows (drafts verified per request) that maximise expected tokens per
+    second, Theta = tau / T(B): B = R + sum(windows) verify tokens, tau = R + the admitted
+    survivals. a_{r,k} never increases with k, so admitting cells in globally descending
+    survival order always yields prefix windows.
 
-Two ways to stay lossless (admission of draft x_{r,k} must not depend on x_{r,k} itself,
-whose value feeds c_{r,k+1} through the Markov feature):
-    * `algorithm1`: one synchronous pass that stops at the first non-improvement of Theta; it
-      admits (r, k) before it ever looks at a_{r,k+1}. Optimal when Theta is unimodal.
-    * `budget_from_lagged` + `allocate_windows_topk` (production): the *number* K of drafts is a
-      global argmax computed from confidences `lag` steps old (independent of this step's
-      drafts), then the K cells with the largest *current* survivals are admitted, ties going
-      to the lower position. a_{r,k+1} <= a_{r,k} and the tie-break mean no cell that depends on
-      x_{r,k} can outrank (r, k), so "window_r >= k iff (r, k) is in the top K" is decided
-      before x_{r,k} matters.
+Lossless means: admitting draft x_{r,k} must not depend on x_{r,k} itself (its value feeds
+c_{r,k+1} through the Markov feature). Two ways, one function each:
+    * `algorithm1`, the paper's synchronous rule: admit while Theta strictly improves and stop
+      at the first non-improvement, before a_{r,k+1} is ever looked at.
+    * production: `budget_from_lagged` sets the *number* K of drafts from confidences `lag`
+      steps old (a global argmax, causal by the lag), and `topk_windows` admits the K cells of
+      largest *current* survival, ties to the lower position: no cell that depends on x_{r,k}
+      can outrank (r, k), so "window_r >= k" is decided before x_{r,k} matters.
+      `CostScheduler.budget` is the host's half of a step, `choose_windows` the device's.
 
 Invariants
-    * Windows are contiguous prefixes: window_r = number of admitted cells of row r.
-    * Sort order of cells: survival descending, then position ascending, then request ascending.
-    * A cell with survival 0 is never admitted.
-    * `allocate_windows_topk` never reads a device value back to the host (it runs where its
-      input is; the engine's synchronous step passes a host copy).
-    * A cost table is non-decreasing in K at every batch size; without one (or with a flat
-      one) nothing is trimmed: the full budget R * gamma is verified.
-    * The relay gives survival 1.0 (conservative: verify everything) to a slot whose lagged
-      entry is missing, stale (another step) or recycled (another generation id).
+    * Cells are ordered by survival descending, then position, then request
+      (`descending_cells`); a cell of survival 0 is never admitted; windows are prefixes.
+    * `topk_windows` / `choose_windows` never read a device value on the host.
+    * Without a profiled, non-flat cost table nothing is trimmed (full budget R * gamma).
+    * The relay gives survival 1.0 (verify everything) to a slot whose lagged entry is
+      missing, stale (another step) or recycled (another generation id).
 
-Defaults (the one place they are written down; every function takes them as parameters)
+Defaults (every function takes them as parameters)
     DEFAULT_LAG = 2              steps between the confidences the budget uses and now (§5.2)
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
-                                 (the value TensorRT-LLM's `confidence_min_predicted_gain` uses)
+                                 (TensorRT-LLM's `confidence_min_predicted_gain`)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
-
-The step-cost table (forcing, lookup) is cost_table.py; how it is profiled is lab/profile_stats.py.
+The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -80,9 +72,7 @@ def algorithm1(conf, sps: Callable[[int], float]) -> torch.Tensor:
     """
     c = torch.as_tensor(conf, dtype=torch.float64).cpu().clamp(0.0, 1.0)
     R = c.shape[0]
-    # BEGIN STUDENT cost-scheduler: Algorithm 1: admit the cells of descending_cells(survivals) one by one
-    #   (tau += a, one more verify token) while Theta = tau * sps(B) strictly improves; stop at the first
-    #   non-improvement; return the best windows (int64 [R])
+    # BEGIN STUDENT cost-scheduler algorithm1
     windows = [0] * R
     best_windows = list(windows)
     tau, batch = float(R), R
@@ -126,10 +116,7 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     full = R * gamma
     if full == 0:
         return 0
-    # BEGIN STUDENT cost-scheduler: the global search: Theta(K) = (R + sum of the K largest lagged
-    #   survivals, those below survival_eps as 0) / T(R, K) for K = 0 .. R*gamma (_step_time_curve); K* =
-    #   the first argmax, kept only if Theta(K*) > (1 + min_gain) * Theta(full), else full; a flat cost
-    #   gives full
+    # BEGIN STUDENT cost-scheduler budget
     vals = np.sort(np.where(s >= survival_eps, s, 0.0).reshape(-1))[::-1]   # host numpy: no torch dispatch
     tau = R + np.concatenate([[0.0], np.cumsum(vals)])
     times = _step_time_curve(step_time, R, full)
@@ -141,59 +128,33 @@ def budget_from_lagged(survival_lagged, step_time: CostTable | Callable[[int, in
     # END STUDENT cost-scheduler
 
 
-def allocate_windows_topk(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
-    """Windows [R] (int64, on conf's device): row counts of the top-`budget` survival cells.
-
-    survival = cumprod(conf); cells are ordered by survival descending, then position
-    ascending, then request ascending (a stable descending sort over a position-major
-    flattening); the first `budget` cells with positive survival are admitted. Host
-    confidences are handled in numpy (the engine's synchronous loop passes a host copy);
-    device ones stay on the device with no host sync (`budget` is a host int).
-    """
-    if conf_current.device.type == "cpu":
-        return torch.from_numpy(_topk_windows_np(conf_current.detach().float().numpy(), budget))
-    return _topk_windows_torch(conf_current, budget)
-
-
-def _topk_windows_torch(conf_current: torch.Tensor, budget: int) -> torch.Tensor:
-    """`allocate_windows_topk` with torch ops, on the confidences' device (no host sync)."""
-    # BEGIN STUDENT cost-scheduler: top-K windows with torch ops and no host sync: survival = cumprod of the
-    #   confidences (NaN as 0, clamped to [0, 1]); admit the `budget` cells of largest survival, ties to the
-    #   lower position then the lower request, never a cell of survival 0; window_r = admitted cells of row
-    #   r
-    a = torch.cumprod(conf_current.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
+def topk_windows(conf: torch.Tensor, budget, active: torch.Tensor | None = None) -> torch.Tensor:
+    """Windows [R] (int64, on conf's device, no host sync): each row's count of the `budget`
+    cells of largest survival. conf [R, gamma] conditional confidences (NaN counts as 0);
+    budget a host int or a 0-dim tensor on conf's device; rows where `active` is False admit
+    nothing and take no share of the budget. Order: `descending_cells`'."""
+    # BEGIN STUDENT cost-scheduler topk
+    a = torch.cumprod(conf.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
+    if active is not None:
+        a = torch.where(active[:, None], a, -1.0)
     R, gamma = a.shape
-    k = max(0, min(int(budget), R * gamma))
-    if k == R * gamma:                             # the full budget: every positive cell, no sort
-        return (a > 0).sum(1)
-    flat = a.t().reshape(-1)                       # index = position * R + request
-    order = torch.sort(flat, descending=True, stable=True).indices[:k]
-    admitted = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, order, True) & (flat > 0)
-    return admitted.view(gamma, R).sum(0)
+    flat = a.t().reshape(-1)                                   # index = position * R + request
+    order = torch.sort(flat, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    return ((rank < budget) & (flat > 0)).view(gamma, R).sum(0)
     # END STUDENT cost-scheduler
 
 
-def _topk_windows_np(conf: np.ndarray, budget: int) -> np.ndarray:
-    """`allocate_windows_topk` for host confidences, in numpy (same order and tie-break)."""
-    # BEGIN STUDENT cost-scheduler: the same top-K rule on a host numpy array (what CPU tensors take), int64
-    #   windows; the simplest correct body is return _topk_windows_torch(torch.from_numpy(conf),
-    #   budget).numpy(), the reference's is O(R*gamma) with np.partition
-    a = np.cumprod(np.minimum(np.fmax(conf, 0.0), 1.0), axis=1)     # fmax maps NaN to 0
-    R, gamma = a.shape
-    k = max(0, min(int(budget), R * gamma))
-    if k == R * gamma:
-        return (a > 0).sum(1).astype(np.int64)
-    flat = a.T.reshape(-1)                         # index = position * R + request
-    if k == 0:
-        return np.zeros(R, dtype=np.int64)
-    # O(n) instead of a sort: every cell above the k-th largest value is in; of the cells equal
-    # to it, the first ones in position-major order fill the rest (the tie-break of the sort)
-    v = np.partition(flat, flat.size - k)[flat.size - k]
-    admitted = flat > v
-    ties = np.flatnonzero(flat == v)[:k - int(admitted.sum())]
-    admitted[ties] = True
-    return (admitted & (flat > 0)).reshape(gamma, R).sum(0).astype(np.int64)
-    # END STUDENT cost-scheduler
+def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, trim: torch.Tensor,
+                   window_cap: torch.Tensor) -> torch.Tensor:
+    """The decode step's windows [R] (speculative.SpecStep): with `trim`, `topk_windows` under
+    `budget` over the active rows; without, full blocks. Capped by window_cap [R]."""
+    R, g = conf.shape
+    if g == 0:
+        return torch.zeros(R, dtype=torch.long, device=conf.device)
+    if trim.device.type == "cpu" and not bool(trim):    # on the host the branch costs no sync: skip the sort
+        return window_cap.clamp(max=g)
+    return torch.minimum(torch.where(trim, topk_windows(conf, budget, active), g), window_cap)
 
 
 class ConfidenceRelay:
@@ -246,25 +207,6 @@ def _host_floats(x) -> np.ndarray:
     return x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
 
 
-@dataclass
-class SchedulePlan:
-    """What the runner needs for one verify step.
-
-    budget: admitted draft tokens (host int; windows sum to at most this).
-    windows: int64 [R] on the device of the confidences; request r verifies its anchor and
-        drafts 1..windows[r] (cap-accept: verifies all gamma, commits at most windows[r]).
-    verify_tokens: rows the target computes, known on the host: R + budget (compact) or
-        R * (1 + gamma) (static, cap-accept); the runner sizes its graph tier from it.
-    predicted_step_time: seconds per the cost table, nan without one.
-    """
-    step: int
-    mode: str
-    budget: int
-    windows: torch.Tensor
-    verify_tokens: int
-    predicted_step_time: float
-
-
 class CostScheduler:
     """The production scheduler: relay + lagged budget + fresh top-K allocation.
 
@@ -282,7 +224,6 @@ class CostScheduler:
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
         self.min_gain, self.survival_eps = min_gain, survival_eps
         self.relay = ConfidenceRelay(max_slots, gamma, lag)
-        self.next_step = 0
         self._can_trim = (cost_table is not None and bool(cost_table.measurements)
                           and not cost_table.is_flat())
         self._warned = False
@@ -304,41 +245,6 @@ class CostScheduler:
             return float("nan")
         return self.cost_table.predict(bs, k)
 
-    def plan(self, slot_ids, generation_ids, conf_current: torch.Tensor, *,
-             step: int | None = None, record: bool = True) -> SchedulePlan:
-        """Plan one verify step for the R requests given by slot_ids / generation_ids.
-
-        conf_current: [R, gamma] calibrated conditional confidences of this step's drafts (any
-        device). step defaults to an internal counter. With record=True the confidences are
-        pushed into the relay after planning (a device->host copy); an overlapped loop passes
-        record=False and calls `record` itself once the confidences are on the host.
-        """
-        if not len(slot_ids) == len(generation_ids) == conf_current.shape[0]:
-            raise ValueError("slot_ids, generation_ids and conf_current must have one entry per request")
-        step = self.next_step if step is None else step
-        self.next_step = step + 1
-        slot_ids, generation_ids = _host_ints(slot_ids), _host_ints(generation_ids)   # once, not per use
-        R, full = conf_current.shape[0], conf_current.shape[0] * self.gamma
-        mode = self.effective_mode()
-        if mode == "static":
-            windows = torch.full((R,), self.gamma, dtype=torch.int64, device=conf_current.device)
-            plan = SchedulePlan(step, mode, full, windows, R + full, self._predict(R, full))
-        else:
-            times = self.cost_table.curve(R, full)
-            if times[-1] <= (1.0 + self.min_gain) * times.min():
-                # No survivals can make trimming pass the guard at this bs: Theta(K) / Theta(full)
-                # <= T(full) / T(K), since the top-K survivals are at most all of them. Skip the search.
-                budget = full
-            else:
-                lagged = self.relay.lagged_np(slot_ids, generation_ids, step)
-                budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
-            windows = allocate_windows_topk(conf_current, budget)
-            verified = budget if mode == "compact" else full
-            plan = SchedulePlan(step, mode, budget, windows, R + verified, float(times[verified]))
-        if record:
-            self.record(step, slot_ids, generation_ids, conf_current)
-        return plan
-
     def budget(self, slot_ids, generation_ids, step: int) -> tuple[int, bool, float]:
         """The host's half of planning a verify step of R = len(slot_ids) requests whose windows
         the device chooses: (budget, trim, predicted step time). The budget comes from the
@@ -358,5 +264,6 @@ class CostScheduler:
         return budget, True, float(times[budget if mode == "compact" else full])
 
     def record(self, step: int, slot_ids, generation_ids, conf) -> None:
-        """Push a step's confidences into the relay (used by `plan(record=True)`)."""
+        """Push a step's confidences [R, gamma] into the relay (CostWindows.observe does, once
+        the step's result is on the host)."""
         self.relay.push(step, slot_ids, generation_ids, conf)

@@ -1,11 +1,11 @@
-"""`python -m nanodspark.course list | start UNIT DIR | test UNIT [--student DIR] | grade`: the course.
+"""`python -m nanodspark.course list | export UNIT DIR | test UNIT | grade --student DIR`: the course.
 
-The course is lab code (`nanodspark/lab/course.py`, which says how units, starters and grading
-work; `nanodspark/lab/course_runner.py`); this file only hands its arguments to
-`nanodspark.lab.course.main`, as `nanodspark/bench.py` does for the benchmarks, so that the
-command the walkthrough and the README give is short. `python -m nanodspark.lab.course` is the
-same command. No core module imports it. `test` and `grade` run pytest, which only the `test`
-extra installs: without it they print the install line instead of a traceback.
+The course is lab code (`nanodspark/lab/course.py`, which says how units, regions, exports and
+handouts work; `nanodspark/lab/course_runner.py`, which grades); this file only hands its
+arguments to `nanodspark.lab.course.main`, as `nanodspark/bench.py` does for the benchmarks, so
+that the command the walkthrough and the README give is short. `python -m nanodspark.lab.course`
+is the same command. No core module imports it. `test` and `grade` run pytest, which only the
+`test` extra installs: without it they print the install line instead of a traceback.
 """
 import sys
 

@@ -182,14 +182,12 @@ class Drafter(nn.Module):
         return ctx.ops.add_rmsnorm(x, residual, self.norm)[0]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
-        # BEGIN STUDENT drafter: markov_bias: the low-rank bigram bias W2 W1[prev] of the Markov head
-        #   (float32), 0.0 without one
+        # BEGIN STUDENT drafter markov-bias
         return self.markov_w2(self.markov_w1(prev)).float() if self.config.markov_rank else 0.0
         # END STUDENT drafter
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        # BEGIN STUDENT drafter: confidence_logit: the raw logit of the confidence head on [h ; W1[prev]] (h
-        #   alone without a Markov head), zeros without a confidence head
+        # BEGIN STUDENT drafter confidence-logit
         if not self.config.confidence:
             return torch.zeros(h.shape[:-1], device=h.device)
         feats = [h] + ([self.markov_w1(prev)] if self.config.markov_rank else [])
@@ -216,9 +214,7 @@ class Drafter(nn.Module):
         (reserved with the verify window; the injection of committed positions overwrites them
         later), and every block query reads all keys below anchor + gamma: the cached context
         and, bidirectionally, the block itself."""
-        # BEGIN STUDENT drafter: the parallel block pass: blocks [anchor, mask x (gamma-1)] at positions
-        #   anchor_pos .. anchor_pos + gamma - 1, their slots, kv_lens = anchor_pos + gamma, one non-causal
-        #   paged pass through backbone -> [R, gamma, H]
+        # BEGIN STUDENT drafter block-pass
         R, g = anchors.shape[0], self.config.gamma
         dev = anchors.device
         ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=dev)
@@ -246,10 +242,7 @@ class Drafter(nn.Module):
             base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
         else:                                  # a vocab-parallel head gathers its shards itself
             base = self.lm_head(h).float()
-        # BEGIN STUDENT drafter: the sequential stage, slot by slot: logits = base[:, k] + the Markov bias
-        #   of the token before (the anchor for k = 0); append the slot's confidence logit to zs, its token
-        #   to toks (argmax; with st, sampled rows draw it by gumbel_argmax on `stream` (STREAM_DRAFT) at
-        #   position anchor_pos + 1 + k) and, with st, its distribution to probs
+        # BEGIN STUDENT drafter sequential
         prev, toks, probs, zs = anchors, [], [], []
         for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
             logits = base[:, k] + self.markov_bias(prev)
@@ -319,9 +312,7 @@ def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anc
     B, A = anchors.shape
     S = ctx_k[0].shape[1]
     dev = anchors.device
-    # BEGIN STUDENT drafter: mask, the block pass's attention pattern [B, 1, A*gamma, S + A*gamma] (True =
-    #   may attend): block (b, a) reads the context positions < anchors[b, a] of its own sequence and its
-    #   own gamma slots both ways, never another block
+    # BEGIN STUDENT drafter training-mask
     ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]           # [B, A, S]
     blk = torch.arange(A, device=dev).repeat_interleave(gamma)
     own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)                              # [B, Ag, Ag]

@@ -250,15 +250,15 @@ class LLMEngine:
     def step(self) -> StepOutputs:
         """One step. Overlapped, the result read and committed is the previous call's: step n+1
         is on the device before the host commits step n (walkthrough chapter 11)."""
-        # BEGIN STUDENT overlap: LLMEngine.step: schedule, launch (if there is a plan), then read and commit the
-        #   result; overlapped, keep the new handle in flight and read the previous one instead; clock steps
         out = StepOutputs()
         with self.phase("schedule"):
             plan = self.schedule(out)
         with self.phase("launch"):
             handle = self.launch(plan) if plan else None
-        if self.overlap:                      # the one-step delay
+        if self.overlap:                      # the one-step delay: read the step launched last call
+            # BEGIN STUDENT overlap delay
             handle, self.in_flight = self.in_flight, handle
+            # END STUDENT overlap
         with self.phase("result"):
             result = handle.result() if handle is not None else None
         with self.phase("commit"):
@@ -266,7 +266,6 @@ class LLMEngine:
                 self.commit(result, out)
         self.clock.steps += plan is not None and bool(plan)
         return out
-        # END STUDENT overlap
 
     @contextmanager
     def phase(self, name: str):
@@ -279,16 +278,15 @@ class LLMEngine:
     def schedule(self, out: StepOutputs | None = None) -> Schedule:
         """Choose this step's work (scheduler.py). A preemption that needs the step in flight read
         first raises `Drain`: commit it, then choose again."""
-        # BEGIN STUDENT overlap: LLMEngine.schedule: on Drain, commit the step in flight (if any) first, then
-        #   schedule again
         try:
             return self.scheduler.schedule(self.decode_rows)
         except Drain:
+            # BEGIN STUDENT overlap drain
             handle, self.in_flight = self.in_flight, None
             if handle is not None:
                 self.commit(handle.result(), out if out is not None else StepOutputs())
+            # END STUDENT overlap
             return self.scheduler.schedule(self.decode_rows)
-        # END STUDENT overlap
 
     def launch(self, sched: Schedule):
         """Start the step on the device and return its `StepHandle` without waiting. What the

@@ -95,10 +95,7 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     if n % num_packs:
         raise ValueError(f"{n} items cannot be split evenly into {num_packs} packs")
     per_pack = n // num_packs
-    # BEGIN STUDENT eplb: balanced_packing: for each row, the items by weight, largest first (ties: the
-    #   lower item index), each into the lightest pack that holds fewer than n / num_packs items (ties: the
-    #   lower pack); pack[x, i] = its pack, rank[x, i] = how many items that pack held before it (one item
-    #   per pack: item i in pack i, the order kept)
+    # BEGIN STUDENT eplb balanced-packing
     if per_pack == 1:      # one item per pack: nothing to balance, keep the order
         idx = torch.arange(n).expand(X, n).clone()
         return idx, torch.zeros(X, n, dtype=torch.long)
@@ -125,9 +122,7 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
     X, n = weight.shape
     if num_phy < n:
         raise ValueError(f"{num_phy} slots cannot hold {n} experts")
-    # BEGIN STUDENT eplb: replicate_experts: replicas 0..n-1 are the experts in order (one each); then
-    #   replica i = n..num_phy-1 goes, row by row, to the expert with the largest load / replicas so far
-    #   (ties: the lower expert), its rank = that expert's replica count before it
+    # BEGIN STUDENT eplb replicate
     rows = torch.arange(X)
     phy2log = torch.arange(num_phy).repeat(X, 1)
     rank = torch.zeros(X, num_phy, dtype=torch.long)
@@ -148,12 +143,7 @@ def rebalance_hierarchical(weight: torch.Tensor, num_phy: int, num_groups: int, 
     group_size, groups_per_node = n // num_groups, num_groups // num_nodes
     log_per_node, phy_per_node = n // num_nodes, num_phy // num_nodes
     gpus_per_node, phy_per_gpu = num_gpus // num_nodes, num_phy // num_gpus
-    # BEGIN STUDENT eplb: rebalance_hierarchical: a. balanced_packing of the summed load of each group onto
-    #   the nodes (the experts of a node: its groups in the order it received them, the experts of a
-    #   group in order); b. replicate_experts inside each node (phy_per_node slots for its log_per_node
-    #   experts); c. balanced_packing of the replicas of each node, weighing load / replicas, onto its
-    #   GPUs; slot = node * phy_per_node + gpu * phy_per_gpu + rank in the GPU; phy2log[l, slot] = the
-    #   expert there
+    # BEGIN STUDENT eplb hierarchical
     w = weight.double()
     # a. whole groups to nodes. node_experts[l, m] = the logical expert at "node-major"
     #    position m: node by node, its groups in the order they were packed, experts in order.

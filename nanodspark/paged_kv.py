@@ -98,8 +98,7 @@ class BlockManager:
         return num_new_blocks <= self.num_free_blocks
 
     def _take_free_block(self) -> int:
-        # BEGIN STUDENT paged-kv: _take_free_block: an unpublished free block first, else evict the least
-        #   recently freed published one (its hash goes with it); its ref count becomes 1
+        # BEGIN STUDENT paged-kv take-free-block
         if self.free_plain:
             b = self.free_plain.popleft()
         else:  # evict the least recently freed published block: its hash goes with it
@@ -112,16 +111,14 @@ class BlockManager:
         # END STUDENT paged-kv
 
     def _incref(self, b: int) -> None:
-        # BEGIN STUDENT paged-kv: _incref: one more table holds block b (a free published block leaves its
-        #   free list)
+        # BEGIN STUDENT paged-kv incref
         if self.ref_count[b] == 0:  # a free published block being hit: take it off the free list
             del self.free_cached[b]
         self.ref_count[b] += 1
         # END STUDENT paged-kv
 
     def _decref(self, b: int) -> None:
-        # BEGIN STUDENT paged-kv: _decref: one table fewer holds block b; at 0 it is free (a published block
-        #   keeps its hash and goes to the back of the LRU)
+        # BEGIN STUDENT paged-kv decref
         assert self.ref_count[b] > 0, f"double free of block {b}"
         self.ref_count[b] -= 1
         if self.ref_count[b] == 0:
@@ -134,9 +131,7 @@ class BlockManager:
     # ---- prefix cache -----------------------------------------------------------------------
     def _lookup(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
         """Walk the hash chain over the full blocks of token_ids[:max_tokens] up to a miss."""
-        # BEGIN STUDENT paged-kv: _lookup: walk the chain hash over the full blocks of
-        #   token_ids[:max_tokens], each hit checked against the (parent hash, tokens) it was published
-        #   under, up to the first miss; return (hit blocks, last hash)
+        # BEGIN STUDENT paged-kv lookup
         hits, h, bs = [], _ROOT_HASH, self.block_size
         if not self.enable_prefix_cache:
             return hits, h
@@ -159,8 +154,7 @@ class BlockManager:
     def allocate_prompt(self, token_ids: Sequence[int],
                         max_cached_tokens: int | None = None) -> BlockTable:
         """A new table holding the prompt: cached prefix blocks shared, the rest fresh."""
-        # BEGIN STUDENT paged-kv: allocate_prompt: share the cached prefix (capped below the last prompt
-        #   token), fresh blocks for the rest; raise NoFreeBlocks before changing anything
+        # BEGIN STUDENT paged-kv allocate-prompt
         n, bs = len(token_ids), self.block_size
         assert n > 0, "empty prompt"
         cap = (n - 1) // bs * bs  # never the whole prompt: the last token must be computed
@@ -187,8 +181,7 @@ class BlockManager:
         assert start + len(token_ids) <= table.num_tokens, (
             f"committing tokens without reserved slots: positions {start}..{start + len(token_ids)} "
             f"of a table reserved for {table.num_tokens} ({table.num_hashed_blocks} blocks published)")
-        # BEGIN STUDENT paged-kv: commit: publish every block that became full of committed tokens under its
-        #   chain hash (a released block, or a hash already cached, publishes nothing; the chain goes on)
+        # BEGIN STUDENT paged-kv commit
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
@@ -212,8 +205,7 @@ class BlockManager:
     # ---- growing, rolling back, releasing ---------------------------------------------------
     def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:
         """Reserve slots for positions < num_tokens (decode, speculative windows)."""
-        # BEGIN STUDENT paged-kv: ensure_capacity: grow the table to num_tokens reserved slots (never shrink
-        #   it; raise NoFreeBlocks before changing anything)
+        # BEGIN STUDENT paged-kv ensure-capacity
         if num_tokens <= table.num_tokens:
             return
         need = self.blocks_for(num_tokens) - len(table.blocks)
@@ -229,8 +221,7 @@ class BlockManager:
         assert num_tokens <= table.num_tokens, "truncate cannot grow a table"
         assert num_tokens >= table.num_hashed_blocks * self.block_size, \
             "truncate below the published prefix"
-        # BEGIN STUDENT paged-kv: truncate: free the blocks past num_tokens (rejected drafts) and shrink the
-        #   table to them
+        # BEGIN STUDENT paged-kv truncate
         keep = self.blocks_for(num_tokens)
         for b in reversed(table.blocks[keep:]):
             if b != -1:
@@ -243,8 +234,7 @@ class BlockManager:
         """Sliding-window groups: free the blocks wholly before position num_committed - window
         (no future query, which sits at a position >= num_committed, can attend to them)."""
         assert window > 0
-        # BEGIN STUDENT paged-kv: release_outside_window: free the blocks wholly before position
-        #   num_committed - window, mark their entries -1, return how many were freed
+        # BEGIN STUDENT paged-kv release-window
         released = 0
         for i in range(min(max(num_committed - window, 0) // self.block_size, len(table.blocks))):
             if table.blocks[i] != -1:
@@ -257,8 +247,7 @@ class BlockManager:
     def free(self, table: BlockTable) -> None:
         """The request is done (finished or aborted). Published blocks stay cached but evictable.
         Blocks are freed last-first, so the tail of a chain is evicted before its head."""
-        # BEGIN STUDENT paged-kv: free: drop the table's blocks last-first and empty the table (freeing it
-        #   again is a no-op)
+        # BEGIN STUDENT paged-kv free
         for b in reversed(table.blocks):
             if b != -1:
                 self._decref(b)
@@ -269,8 +258,7 @@ class BlockManager:
     # ---- slots ------------------------------------------------------------------------------
     def slot(self, table: BlockTable, pos: int) -> int:
         """Flat slot of token position pos; -1 if its block was released."""
-        # BEGIN STUDENT paged-kv: slot: blocks[pos // bs] * bs + pos % bs, or -1 for a released block
-        #   (assert the position is reserved)
+        # BEGIN STUDENT paged-kv slot
         assert 0 <= pos < table.num_tokens, f"position {pos} has no reserved slot"
         b = table.blocks[pos // self.block_size]
         return -1 if b == -1 else b * self.block_size + pos % self.block_size

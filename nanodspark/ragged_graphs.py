@@ -59,9 +59,7 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
     """Lay R requests' `rows` [R] (int64, sum <= tokens) out in `tokens` packed rows, on the
     device with no host sync. Example: rows [2, 1, 4], tokens 8 -> cu [0, 2, 3, 7], row_req
     [0, 0, 1, 2, 2, 2, 2, 2], row_off [0, 1, 0, 0, 1, 2, 3, 0], the last row padding."""
-    # BEGIN STUDENT ragged-graphs: pack_rows: cu_seqlens (int32 [R + 1], a cumulative sum), each of the
-    #   `tokens` rows' request (searchsorted; padding rows: the last request), offset inside its window
-    #   (padding: 0) and validity, with tensor ops only (no host sync)
+    # BEGIN STUDENT ragged-graphs pack-rows
     R = rows.shape[0]
     cu = torch.zeros(R + 1, dtype=torch.long, device=rows.device)
     cu[1:] = torch.cumsum(rows, 0)
@@ -75,9 +73,7 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
 
 def tier_list(batch_sizes, gamma: int, fractions=(1.0,), max_slots: int | None = None) -> list[tuple[int, int]]:
     """(slots, tokens) tiers: for each slot count b, tokens b + ceil(f * b * gamma) per fraction."""
-    # BEGIN STUDENT ragged-graphs: tier_list: for each slot count b <= max_slots and each fraction f, the
-    #   tier (b, b + ceil(f * b * gamma)) (computed in thousandths so that 0.5 * 4 * 4 is exactly 8);
-    #   sorted, without duplicates
+    # BEGIN STUDENT ragged-graphs tier-list
     tiers = set()
     for b in batch_sizes:
         if max_slots is not None and b > max_slots:
@@ -90,8 +86,7 @@ def tier_list(batch_sizes, gamma: int, fractions=(1.0,), max_slots: int | None =
 
 def pick_tier(tiers: list[tuple[int, int]], requests: int, tokens: int) -> tuple[int, int] | None:
     """The smallest tier holding `requests` slots and `tokens` rows (fewest tokens, then slots)."""
-    # BEGIN STUDENT ragged-graphs: pick_tier: of the tiers with >= requests slots and >= tokens rows, the
-    #   one with fewest tokens, then fewest slots; None if none fits
+    # BEGIN STUDENT ragged-graphs pick-tier
     fits = [t for t in tiers if t[0] >= requests and t[1] >= tokens]
     return min(fits, key=lambda t: (t[1], t[0])) if fits else None
     # END STUDENT ragged-graphs

@@ -28,6 +28,7 @@ import numpy as np
 
 import torch
 
+from .cost_scheduler import choose_windows
 from .device_state import DeviceState
 from .drafter import Drafter, row_slots
 from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
@@ -85,23 +86,6 @@ class DecodeOut:
     def head(self, n: int) -> "DecodeOut":
         """The first n rows (the requests of a padded tier)."""
         return DecodeOut(*(x[:n] for x in self.fields()))
-
-
-def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, trim: torch.Tensor,
-                   window_cap: torch.Tensor) -> torch.Tensor:
-    """Windows [R]: with `trim`, the rows' counts of the `budget` cells of largest survival
-    (survival descending, then position, then request: cost_scheduler.allocate_windows_topk's
-    order, here with the budget on the device); without, full blocks. Capped by window_cap."""
-    R, g = conf.shape
-    if g == 0:
-        return torch.zeros(R, dtype=torch.long, device=conf.device)
-    a = torch.cumprod(conf.float().nan_to_num(0.0).clamp(0.0, 1.0), dim=1)
-    a = torch.where(active[:, None], a, -1.0)
-    flat = a.t().reshape(-1)                                   # index = position * R + request
-    order = torch.sort(flat, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-    topk = ((rank < budget) & (flat > 0)).view(g, R).sum(0)
-    return torch.minimum(torch.where(trim, topk, g), window_cap)
 
 
 class SpecStep:

@@ -74,8 +74,7 @@ class ReplayPlan:
 
 # ---- how long a replay is -------------------------------------------------------------------
 def exact_replay_tokens(window: int, n_sliding_layers: int) -> int:
-    # BEGIN STUDENT swa-replay: exact_replay_tokens: how many tokens a replay needs so that every sliding
-    #   layer's K/V above the hit is exact (each stacked sliding layer loses window - 1 rows)
+    # BEGIN STUDENT swa-replay exact-replay
     return n_sliding_layers * (window - 1)
     # END STUDENT swa-replay
 
@@ -106,8 +105,7 @@ def plan_replay(hit: int, window: int, n_sliding_layers: int, keep_tokens: int =
 
     Models without sliding layers start at the hit. `keep_tokens = 0` means exact replay; a
     longer bound than the exact length is cut to it. Sliding attention reads from the start."""
-    # BEGIN STUDENT swa-replay: plan_replay: start the prefill keep tokens before the hit (keep_tokens, or
-    #   the exact length when 0, never more than exact), never below 0; no hit or no sliding layer: no replay
+    # BEGIN STUDENT swa-replay plan-replay
     if hit == 0 or n_sliding_layers == 0:
         return ReplayPlan(hit, hit, hit)
     exact = exact_replay_tokens(window, n_sliding_layers)

@@ -98,8 +98,7 @@ class VerifyResult:
 def accept_greedy(drafts: list[int], target_argmax: list[int]) -> int:
     """Length of the prefix of drafts equal to the target's argmax tokens (target_argmax[k] is
     the target's choice for the position of drafts[k])."""
-    # BEGIN STUDENT verify: accept_greedy: the length of the leading run of drafts that equal the target's
-    #   argmax
+    # BEGIN STUDENT verify accept-greedy
     m = 0
     while m < len(drafts) and drafts[m] == target_argmax[m]:
         m += 1
@@ -113,9 +112,7 @@ def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 
     Returns (accepted m, residual distribution to sample the correction from, or None when all
     w were accepted and the bonus comes from p[w])."""
-    # BEGIN STUDENT verify: accept_sampling: accept draft k while u_k < p_k(d_k) / q_k(d_k) (w uniforms
-    #   drawn from generator); after the first rejection return the residual norm(max(0, p - q)) at that row
-    #   (p's row if it has no mass), or None if all w were accepted
+    # BEGIN STUDENT verify accept-sampling
     w = drafts.shape[0]
     if w == 0:
         return 0, None
@@ -138,8 +135,7 @@ def accept_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 def verify_greedy(drafts: list[int], target_argmax: list[int], window: int, mode: str) -> VerifyResult:
     """Greedy verification on host lists: drafts [n_ver], target_argmax [rows] (the target's
     choice after each verified row)."""
-    # BEGIN STUDENT verify: verify_greedy: commit the accepted drafts up to the cap (the window unless
-    #   static), then the target's own token; cap-accept reports the untrimmed run as the ceiling
+    # BEGIN STUDENT verify verify-greedy
     cap = len(drafts) if mode == "static" else window
     m_full = accept_greedy(drafts, target_argmax)
     m = min(m_full, cap)
@@ -158,9 +154,7 @@ def verify_block(drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: 
     if greedy:
         return verify_greedy(d.tolist(), target_probs.argmax(-1).tolist(), window if mode != "static" else gamma,
                              mode)
-    # BEGIN STUDENT verify: verify_block, sampled: accept_sampling, commit at most cap drafts, then the next
-    #   token: sampled from the residual after a rejection inside the cap, else from the target's row at the
-    #   cap (torch.multinomial with generator)
+    # BEGIN STUDENT verify verify-block
     m_full, residual = accept_sampling(d, draft_probs[:n_ver], target_probs, generator)
     m = min(m_full, cap)
     # A rejection inside the cap resamples from the residual; otherwise the next token comes from
@@ -208,15 +202,7 @@ def verify_batch(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits:
     k = torch.arange(g, device=dev)
     pos = anchor_pos[:, None] + 1 + torch.arange(g + 1, device=dev)       # position of each committed slot
     in_window = k[None, :] < verified[:, None]
-    # BEGIN STUDENT verify: the batched verdict, on the device with no host sync -> m_full [R] (the leading
-    #   run of accepted drafts among the verified ones), m = min(m_full, cap), at_m = m[:, None] and nxt [R]
-    #   (the token after them). Greedy rows: a draft is accepted while it equals the target's argmax, nxt is
-    #   the argmax at m.
-    #   Sampled rows: accepted while u * Q(d) < P(d), u = uniforms(seed, the draft's position,
-    #   STREAM_ACCEPT), P from probs_from_logits; nxt is a gumbel_argmax sample at position pos[:, m] of the
-    #   residual norm(max(0, P - Q)) after a rejection inside the cap (STREAM_RESIDUAL), else of P
-    #   (STREAM_TARGET). Coupled rows (coupled=True): accepted while the draft equals the target's own
-    #   gumbel_argmax sample at its position on STREAM_TARGET; nxt is that sample at m
+    # BEGIN STUDENT verify verify-batch
     target_argmax = logits.argmax(-1)[row_index]                           # [R, g + 1]
     ok = (drafts == target_argmax[:, :g]) & in_window
     probs = None

@@ -1,6 +1,7 @@
 """Tests of nanodspark/cost_scheduler.py: Algorithm 1 (incl. the paper's Appendix A
-counterexample, computed exactly), top-K allocation properties, the lagged budget, the relay,
-the scheduler modes and the block-accept ceiling (the cost table: test_cost_table.py).
+counterexample, computed exactly), the device top-K against Algorithm 1's order of cells, the
+lagged budget, the relay, the scheduler modes and the block-accept ceiling (the cost table:
+test_cost_table.py).
 (Paper §3.2.2, App. A, §5.2; walkthrough chapter 07.)"""
 
 import warnings
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanodspark.cost_scheduler import (
-    ConfidenceRelay, CostScheduler, algorithm1, allocate_windows_topk, budget_from_lagged, descending_cells,
+    ConfidenceRelay, CostScheduler, algorithm1, budget_from_lagged, choose_windows, descending_cells, topk_windows,
 )
 from nanodspark.cost_table import CostTable
 from nanodspark.observers import BlockAcceptEstimator, wilson_interval
@@ -99,7 +100,7 @@ def test_appendix_a_counterexample_exact():
     # the same leak through the production functions fed with current (not lagged) survivals
     def leaky(conf, x1):
         k = budget_from_lagged(torch.cumprod(conf, 1), lambda bs, k: 1.0 / SPS[bs + k], min_gain=0.0)
-        return int(allocate_windows_topk(conf, k)[0])
+        return int(topk_windows(conf, k)[0])
     assert first_token_distribution(leaky) == pytest.approx([0.85, 0.15])
 
     # 2) Algorithm 1 with its early stop: Theta drops at the first admission, so x_1 is never
@@ -111,7 +112,7 @@ def test_appendix_a_counterexample_exact():
     # 3) production: the budget comes from lagged confidences (independent of x_1); for any such
     #    budget the fresh top-K admits x_1 iff a_1 is in the top K, which x_1 cannot change
     for budget in (0, 1, 2):
-        law = first_token_distribution(lambda conf, x1: int(allocate_windows_topk(conf, budget)[0]))
+        law = first_token_distribution(lambda conf, x1: int(topk_windows(conf, budget)[0]))
         assert law == pytest.approx([0.7, 0.3])
 
 
@@ -139,8 +140,9 @@ def brute_force_top_k(conf, budget):
 @settings(max_examples=200, deadline=None)
 @given(conf_and_budget())
 def test_topk_window_iff_in_top_k_and_contiguous(case):
+    """The device top-K admits exactly the first `budget` cells of Algorithm 1's order."""
     conf, budget = case
-    windows = allocate_windows_topk(conf, budget).tolist()
+    windows = topk_windows(conf, budget).tolist()
     top = brute_force_top_k(conf, budget)
     R, gamma = conf.shape
     for r in range(R):
@@ -161,20 +163,41 @@ def test_topk_admission_of_x_k_ignores_what_depends_on_x_k(case, data):
     r, k = data.draw(st.integers(0, R - 1)), data.draw(st.integers(1, gamma))
     other = conf.clone()
     other[r, k:] = torch.tensor(data.draw(st.lists(conf_values, min_size=gamma - k, max_size=gamma - k)))
-    before = allocate_windows_topk(conf, budget)[r] >= k
-    after = allocate_windows_topk(other, budget)[r] >= k
+    before = topk_windows(conf, budget)[r] >= k
+    after = topk_windows(other, budget)[r] >= k
     assert bool(before) == bool(after)
 
 
 def test_topk_tie_break_examples():
     ones = torch.ones(2, 2)
-    assert allocate_windows_topk(ones, 1).tolist() == [1, 0]
-    assert allocate_windows_topk(ones, 2).tolist() == [1, 1]
-    assert allocate_windows_topk(ones, 3).tolist() == [2, 1]
-    assert allocate_windows_topk(ones, 99).tolist() == [2, 2]
-    assert allocate_windows_topk(torch.tensor([[0.0, 1.0], [0.5, 1.0]]), 4).tolist() == [0, 2]
-    out = allocate_windows_topk(torch.tensor([[0.9, 0.9]], dtype=torch.bfloat16), 1)
+    assert topk_windows(ones, 1).tolist() == [1, 0]
+    assert topk_windows(ones, 2).tolist() == [1, 1]
+    assert topk_windows(ones, 3).tolist() == [2, 1]
+    assert topk_windows(ones, 99).tolist() == [2, 2]
+    assert topk_windows(torch.tensor([[0.0, 1.0], [0.5, 1.0]]), 4).tolist() == [0, 2]
+    assert topk_windows(torch.tensor([[float("nan"), 1.0], [0.5, 2.0]]), 4).tolist() == [0, 2]   # NaN as 0, clamped
+    out = topk_windows(torch.tensor([[0.9, 0.9]], dtype=torch.bfloat16), 1)
     assert out.dtype == torch.int64 and out.tolist() == [1]
+    # an inactive row admits nothing and leaves the budget to the others
+    assert topk_windows(ones, 2, torch.tensor([False, True])).tolist() == [0, 2]
+    assert topk_windows(ones, torch.tensor(3)).tolist() == [2, 1]          # the budget as a device scalar
+
+
+def step_windows(conf, budget, trim, cap=None, active=None):
+    R, g = conf.shape
+    return choose_windows(conf, torch.ones(R, dtype=torch.bool) if active is None else active,
+                          torch.tensor(budget), torch.tensor(trim),
+                          torch.full((R,), g, dtype=torch.long) if cap is None else torch.tensor(cap))
+
+
+def test_choose_windows_trims_with_trim_only_and_caps_every_window():
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.2, 0.2, 0.2]])
+    assert step_windows(conf, 2, False).tolist() == [3, 3]                # no trim: full blocks, whatever the budget
+    assert step_windows(conf, 2, True).tolist() == topk_windows(conf, 2).tolist() == [2, 0]
+    assert step_windows(conf, 4, True, cap=[1, 3]).tolist() == [1, 1]     # window_cap bounds either way
+    assert step_windows(conf, 0, False, cap=[1, 3]).tolist() == [1, 3]
+    assert step_windows(conf, 2, True, active=torch.tensor([False, True])).tolist() == [0, 2]
+    assert step_windows(torch.zeros(2, 0), 0, True).tolist() == [0, 0]    # plain decoding: no drafts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -182,27 +205,19 @@ def test_topk_tie_break_examples():
 def test_topk_on_gpu_matches_cpu_without_host_sync():
     g = torch.Generator().manual_seed(0)
     conf = torch.randint(0, 5, (64, 7), generator=g) / 4.0          # many exact ties
+    active = torch.rand(64, generator=g) < 0.8
+    cap = torch.randint(0, 8, (64,), generator=g)
     for budget in (0, 1, 37, 150, 64 * 7):
-        ref = allocate_windows_topk(conf, budget)
-        gpu = conf.cuda()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")                     # any device->host sync raises
-        try:
-            out = allocate_windows_topk(gpu, budget)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert out.device == gpu.device and torch.equal(out.cpu(), ref)
-
-
-def test_topk_windows_numpy_and_torch_paths_agree():
-    """The host (numpy) and device (torch) top-K give the same windows, ties and zeros included."""
-    from nanodspark.cost_scheduler import _topk_windows_np, _topk_windows_torch
-    g = torch.Generator().manual_seed(3)
-    for _ in range(200):
-        R, gamma = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
-        conf = torch.randint(0, 5, (R, gamma), generator=g).float() / 4      # many ties, some zeros
-        for budget in (0, 1, R, R * gamma // 2, R * gamma, R * gamma + 3):
-            assert _topk_windows_np(conf.numpy(), budget).tolist() == _topk_windows_torch(conf, budget).tolist()
+        for trim in (True, False):
+            ref = choose_windows(conf, active, torch.tensor(budget), torch.tensor(trim), cap)
+            args = [x.cuda() for x in (conf, active, torch.tensor(budget), torch.tensor(trim), cap)]
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")                 # any device->host sync raises
+            try:
+                out = choose_windows(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert out.device == args[0].device and torch.equal(out.cpu(), ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,23 +297,31 @@ def trimming_table():
 
 def test_scheduler_static_mode():
     sched = CostScheduler(gamma=3, max_slots=8, mode="static")
-    plan = sched.plan([0, 1], [0, 0], torch.rand(2, 3))
-    assert plan.windows.tolist() == [3, 3] and plan.budget == 6 and plan.verify_tokens == 8
-    assert plan.mode == "static" and np.isnan(plan.predicted_step_time)
+    budget, trim, predicted = sched.budget([0, 1], [0, 0], step=0)
+    assert (budget, trim) == (6, False) and np.isnan(predicted)
 
 
 def test_scheduler_without_table_warns_once_and_falls_back():
     sched = CostScheduler(gamma=3, max_slots=8, mode="compact")
     with pytest.warns(UserWarning, match="cost table"):
-        plan = sched.plan([0], [0], torch.rand(1, 3))
-    assert plan.mode == "static" and plan.windows.tolist() == [3]
+        assert sched.budget([0], [0], 0)[:2] == (3, False)
+    assert sched.effective_mode() == "static"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sched.plan([0], [0], torch.rand(1, 3))
+        sched.budget([0], [0], 1)
     with pytest.warns(UserWarning):
-        CostScheduler(3, 8, "cap-accept", CostTable({(1, 0): 1.0, (1, 3): 1.0})).plan([0], [0], torch.rand(1, 3))
+        CostScheduler(3, 8, "cap-accept", CostTable({(1, 0): 1.0, (1, 3): 1.0})).budget([0], [0], 0)
     with pytest.raises(ValueError):
         CostScheduler(3, 8, mode="bogus")
+
+
+def plan_step(sched, step, slots, gens, conf):
+    """One verify step as the engine runs it: the host's budget (lagged), the device's windows
+    (fresh top-K under it), then the step's confidences pushed into the relay."""
+    budget, trim, predicted = sched.budget(slots, gens, step)
+    windows = step_windows(conf, budget, trim)
+    sched.record(step, slots, gens, conf)
+    return budget, windows, predicted
 
 
 def test_scheduler_compact_uses_lagged_budget_and_fresh_windows():
@@ -306,20 +329,19 @@ def test_scheduler_compact_uses_lagged_budget_and_fresh_windows():
     low = torch.tensor([[0.9, 0.2, 0.2], [0.5, 0.2, 0.2]])
     high = torch.tensor([[0.99, 0.99, 0.99], [0.1, 0.1, 0.1]])
     slots, gens = [3, 5], [1, 1]
-    p0 = sched.plan(slots, gens, low)       # steps 0 and 1: no lagged data -> survival 1 -> budget
-    p1 = sched.plan(slots, gens, high)
-    assert p0.budget == p1.budget == budget_from_lagged(torch.ones(2, 3), trimming_table())
-    p2 = sched.plan(slots, gens, high)      # step 2: budget from step 0's (low) confidences
+    b0, _, _ = plan_step(sched, 0, slots, gens, low)      # steps 0 and 1: no lagged data -> survival 1
+    b1, _, _ = plan_step(sched, 1, slots, gens, high)
+    assert b0 == b1 == budget_from_lagged(torch.ones(2, 3), trimming_table())
+    b2, w2, predicted = plan_step(sched, 2, slots, gens, high)     # step 2: budget from step 0's (low) confidences
     expected_budget = budget_from_lagged(torch.cumprod(low, 1), trimming_table())
-    assert p2.step == 2 and p2.budget == expected_budget
-    assert torch.equal(p2.windows, allocate_windows_topk(high, expected_budget))
-    assert p2.verify_tokens == 2 + expected_budget
-    assert p2.predicted_step_time == pytest.approx(trimming_table().predict(2, expected_budget))
+    assert b2 == expected_budget < 6                        # the table says trim, and it trims
+    assert torch.equal(w2, topk_windows(high, expected_budget)) and int(w2.sum()) == expected_budget
+    assert predicted == pytest.approx(trimming_table().predict(2, expected_budget))
     # a recycled slot (new generation) gets survival 1 for its lagged row
-    p3 = sched.plan([3, 5], [1, 2], high)
+    b3, _, _ = plan_step(sched, 3, [3, 5], [1, 2], high)
     lagged = torch.cumprod(high, 1)
     lagged[1] = 1.0
-    assert p3.budget == budget_from_lagged(lagged, trimming_table())
+    assert b3 == budget_from_lagged(lagged, trimming_table())
 
 
 def test_scheduler_skips_the_search_where_no_trim_can_pass_the_guard():
@@ -331,22 +353,20 @@ def test_scheduler_skips_the_search_where_no_trim_can_pass_the_guard():
     sched = CostScheduler(gamma=3, max_slots=8, mode="compact", cost_table=table)
     for step in range(30):
         conf = torch.rand(2, 3, generator=g) ** 4
-        plan = sched.plan([0, 1], [0, 0], conf)
-        assert plan.budget == 6 and plan.verify_tokens == 8
+        assert plan_step(sched, step, [0, 1], [0, 0], conf)[0] == 6
         assert budget_from_lagged(torch.cumprod(conf, 1), table) == 6
     low = torch.full((4, 3), 0.05)
-    budgets = [sched.plan([0, 1, 2, 3], [0] * 4, low).budget for _ in range(3)]
+    budgets = [plan_step(sched, step, [0, 1, 2, 3], [0] * 4, low)[0] for step in range(30, 33)]
     assert budgets[-1] < 12                   # two steps later the lagged low confidences trim
 
 
 def test_scheduler_cap_accept_verifies_full_blocks():
     sched = CostScheduler(gamma=3, max_slots=4, mode="cap-accept", cost_table=trimming_table())
     conf = torch.tensor([[0.9, 0.2, 0.2]])
-    for _ in range(3):
-        plan = sched.plan([0], [0], conf)
-    assert plan.verify_tokens == 1 + 3
-    assert torch.equal(plan.windows, allocate_windows_topk(conf, plan.budget))
-    assert plan.predicted_step_time == pytest.approx(trimming_table().predict(1, 3))
+    for step in range(3):
+        budget, windows, predicted = plan_step(sched, step, [0], [0], conf)
+    assert budget < 3 and torch.equal(windows, topk_windows(conf, budget))
+    assert predicted == pytest.approx(trimming_table().predict(1, 3))   # the cost of the full block
 
 
 # ---------------------------------------------------------------------------------------------

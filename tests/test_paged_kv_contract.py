@@ -292,6 +292,8 @@ class PublicPagedKVMachine(RuleBasedStateMachine):
         req = Req(t, prompt)
         self.write(req, hit, prompt[hit:])
         self.m.commit(t, prompt)
+        if self.m.enable_prefix_cache:       # its full blocks are found again at once (nothing evicts them)
+            assert self.m.match_prefix(prompt + [0]) == n // self.bs * self.bs
         self.reqs.append(req)
         self.history.append(list(prompt))
 

@@ -91,27 +91,35 @@ def _oracle(eng, continuations: dict, corrupt: float = 0.35, seed: int = 0):
     """Drafts that are the target's greedy tokens, each wrong with probability `corrupt` (keyed by
     request and position, so every run proposes the same), with confidences that say so: 0.95
     where right, 0.3 where wrong (calibrated-ish). Acceptance then varies per step, and the
-    confidence predicts it, as a trained drafter's does."""
+    confidence predicts it, as a trained drafter's does. It stands in for the drafter (the same
+    `propose` / `inject` interface) and finds each row's request by its drafter block table."""
     from nanodspark.drafter import Draft
-    g = eng.gamma
+    g, config = eng.gamma, eng.executor.spec.drafter.config
 
-    def propose(slots, anchors, anchor_pos):
-        by_slot = {r.slot: r for r in eng.scheduler.running}
-        toks = torch.zeros(len(slots), g, dtype=torch.long)
-        conf = torch.full((len(slots), g), 0.5)
-        for i, (s, p) in enumerate(zip(slots.tolist(), anchor_pos.tolist())):
-            r = by_slot.get(s)
-            if r is None:
-                continue
-            cont = continuations[tuple(r.prompt_ids)]
-            for k in range(g):
-                j = p - len(r.prompt_ids) + 1 + k          # output index the k-th draft predicts
-                right = cont[j] if 0 <= j < len(cont) else 0
-                bad = np.random.default_rng([seed, p, k, len(r.prompt_ids)]).random() < corrupt
-                toks[i, k] = (right + 1) % eng.model_config.vocab_size if bad else right
-                conf[i, k] = 0.3 if bad else 0.95
-        return Draft(toks, None, torch.zeros(toks.shape), conf)
-    eng.executor.spec.propose_override = propose
+    class Oracle:
+        def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream):
+            by_block = {r.tables["draft"].blocks[0]: r for r in eng.scheduler.running if r.tables.get("draft")}
+            toks = torch.zeros(len(anchors), g, dtype=torch.long)
+            conf = torch.full((len(anchors), g), 0.5)
+            for i, (b, p) in enumerate(zip(block_tables[:, 0].tolist(), anchor_pos.tolist())):
+                r = by_block.get(b)
+                if r is None:
+                    continue
+                cont = continuations[tuple(r.prompt_ids)]
+                for k in range(g):
+                    j = p - len(r.prompt_ids) + 1 + k          # output index the k-th draft predicts
+                    right = cont[j] if 0 <= j < len(cont) else 0
+                    bad = np.random.default_rng([seed, p, k, len(r.prompt_ids)]).random() < corrupt
+                    toks[i, k] = (right + 1) % eng.model_config.vocab_size if bad else right
+                    conf[i, k] = 0.3 if bad else 0.95
+            return Draft(toks, None, torch.zeros(toks.shape), conf)
+
+        def inject(self, *args, **kwargs):
+            pass
+
+    oracle = Oracle()
+    oracle.config = config
+    eng.executor.spec.drafter = oracle
 
 
 @pytest.fixture(scope="module")

@@ -91,3 +91,77 @@ def test_a_row_depends_on_its_seed_and_position_only():
     assert torch.equal(v.tokens, again.tokens)                    # no generator state
     part, _ = sampled_batch(16, 1.0, 2, seed0=48)                 # the last 16 requests alone
     assert torch.equal(part.tokens, v.tokens[48:]) and torch.equal(part.accepted, v.accepted[48:])
+
+
+def oracle_batch(N, g, V, temperature, seed0=0):
+    """N requests whose drafts come from exactly the target's law at each position (an oracle
+    drafter: Q = P, drafts drawn with keyed noise): (drafts, Q, packed logits, row_index, st, pos)."""
+    gen = torch.Generator().manual_seed(seed0)
+    logits = torch.randn(N, g + 1, V, generator=gen) * 2.0
+    st = SamplingTensors(torch.full((N,), float(temperature)), torch.zeros(N, dtype=torch.long), torch.ones(N),
+                         torch.arange(seed0, seed0 + N, dtype=torch.long) * 131 + 7)
+    law = torch.softmax(logits / temperature, -1)
+    anchor_pos = torch.randint(5, 50, (N,), generator=gen)
+    drafts = torch.stack([gumbel_argmax(torch.log(law[:, k]), st.seed, anchor_pos + 1 + k, STREAM_DRAFT)
+                          for k in range(g)], 1)
+    packed_logits, row_index = packed(logits)
+    return drafts, law[:, :g].contiguous(), packed_logits, row_index, st, anchor_pos
+
+
+def test_an_oracle_draft_is_accepted_in_full_in_every_mode():
+    """Drafts that are the target's own choice — its argmax (greedy), or a draw from exactly its
+    law (sampled: then P(d) / Q(d) = 1) — are accepted up to the cap in every verify mode:
+    static (verify and commit all), compact (verify the window) and cap-accept (verify all,
+    commit the window, report the whole run as the ceiling). A verifier that accepts less is
+    lossless but useless."""
+    N, g, V = 64, 4, 7
+    gen = torch.Generator().manual_seed(5)
+    window = torch.randint(0, g + 1, (N,), generator=gen)
+    full = torch.full((N,), g)
+    for mode, verified, cap in (("static", full, full), ("compact", window, window), ("cap-accept", full, window)):
+        for temperature in (0.0, 1.0, 0.7):
+            drafts, Q, logits, row_index, st, pos = oracle_batch(N, g, V, temperature or 1.0)
+            if temperature == 0.0:           # greedy: the oracle proposes the argmax chain
+                drafts = logits.view(N, g + 1, V).argmax(-1)[:, :g]
+                v = verify_batch(drafts, None, logits, row_index, None, pos, verified, cap, True)
+            else:
+                v = verify_batch(drafts, Q, logits, row_index, st, pos, verified, cap, False)
+            assert v.accepted.tolist() == cap.tolist(), (mode, temperature)
+            assert v.ceiling.tolist() == verified.tolist(), (mode, temperature)    # the whole verified run
+            for r in range(N):
+                c = int(cap[r])
+                assert v.tokens[r, :c].tolist() == drafts[r, :c].tolist(), (mode, temperature, r)
+
+
+def test_coupled_rows_commit_the_targets_own_sample():
+    """Coupled verification (the drafts drawn with the TARGET stream's noise): a draft is accepted
+    iff it equals the target's own keyed sample at its position, and every committed token is
+    that sample — the token target-only decoding draws there — whatever the draft law. With the
+    target's law as the draft law everything is accepted; greedy rows stay greedy."""
+    from nanodspark.sampling import STREAM_TARGET, probs_from_logits
+    N, g, V = 400, 3, 5
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(N, g + 1, V, generator=gen) * 1.5
+    temps = torch.where(torch.arange(N) % 4 == 0, 0.0, 1.0)                # every 4th row greedy
+    st = SamplingTensors(temps, torch.zeros(N, dtype=torch.long), torch.ones(N), torch.arange(N) * 977 + 1)
+    pos = torch.full((N,), 30)
+    at = pos[:, None] + 1 + torch.arange(g + 1)
+    P = probs_from_logits(logits.reshape(-1, V), st.rows(torch.arange(N).repeat_interleave(g + 1))).view(N, g + 1, V)
+    own = torch.stack([gumbel_argmax(torch.log(P[:, k]), st.seed, at[:, k], STREAM_TARGET) for k in range(g + 1)], 1)
+    own = torch.where((temps == 0)[:, None], logits.argmax(-1), own)
+    packed_logits, row_index = packed(logits)
+    full = torch.full((N,), g)
+    for draft_law in ("the target's", "another"):
+        Q = P[:, :g] if draft_law == "the target's" else torch.softmax(torch.randn(N, g, V, generator=gen), -1)
+        drafts = torch.stack([gumbel_argmax(torch.log(Q[:, k]), st.seed, at[:, k], STREAM_TARGET) for k in range(g)], 1)
+        drafts = torch.where((temps == 0)[:, None], own[:, :g], drafts) if draft_law == "the target's" else drafts
+        v = verify_batch(drafts, Q.contiguous(), packed_logits, row_index, st, pos, full, full, False, coupled=True)
+        run = (drafts == own[:, :g]).long().cumprod(1).sum(1)
+        assert v.accepted.tolist() == run.tolist(), draft_law
+        for r in range(N):
+            m = int(v.accepted[r])
+            assert v.tokens[r, :m + 1].tolist() == own[r, :m + 1].tolist(), (draft_law, r)
+        if draft_law == "the target's":
+            assert int(v.accepted.min()) == g                                  # the oracle: all accepted
+        else:
+            assert 0 < float(v.accepted.float().mean()) < g

@@ -16,7 +16,7 @@ The idea
 
     The window policy is the engine's own code, fed the recorded confidences: `StaticWindows`,
     `CostWindows(CostScheduler(...))` (the relay and `budget_from_lagged`) and
-    `allocate_windows_topk` (the top-K rule). So compact is simulated with what the engine runs.
+    `topk_windows` (the top-K rule). So compact is simulated with what the engine runs.
 
 Approximations (what makes it a model, and its output a prediction)
     * Acceptance is replayed by step: request i replays, in order, the verify steps of a recorded
@@ -47,7 +47,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, allocate_windows_topk
+from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, topk_windows
+from ..step import DecodeRows
 from ..windows import CostWindows, StaticWindows
 from ..cost_table import CostTable
 from .bench_serve import Run, RequestRecord, ServeWorkload, median_rows, paired_ratios, summarize
@@ -181,11 +182,14 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
         K, windows, conf = 0, np.zeros(len(D), dtype=np.int64), np.zeros((len(D), g), dtype=np.float32)
         if D and g:
             conf = np.stack([r.trace.conf[r.pos % len(r.trace.full)] for r in D])
-            wp = policy.plan(D, step)
-            windows = (allocate_windows_topk(torch.from_numpy(conf), wp.budget).numpy() if wp.trim
+            slots = np.array([r.slot for r in D], dtype=np.int64)
+            gens = np.array([r.generation for r in D], dtype=np.int64)
+            wp = policy.plan(DecodeRows(slots, gens, None, np.array(D, dtype=object)), step)
+            windows = (topk_windows(torch.from_numpy(conf), wp.budget).numpy() if wp.trim
                        else np.full(len(D), g))
-            windows = np.minimum(windows, wp.window_cap)
-            K = wp.budget if wp.trim else int(sum(wp.window_cap))
+            if wp.window_cap is not None:
+                windows = np.minimum(windows, wp.window_cap)
+            K = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))   # as the ledger prices it
         t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec)
         # commit
         finished = []
@@ -208,8 +212,8 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if r.out >= r.max_tokens and r not in finished:
                 finished.append(r)
         if D and g:                                         # the relay sees the step, as CostWindows.observe
-            policy.observe(SimpleNamespace(step=step, commits=[
-                SimpleNamespace(request=r, verify=SimpleNamespace(conf=conf[k])) for k, r in enumerate(D)]))
+            policy.observe(SimpleNamespace(step=step, decode=SimpleNamespace(
+                slots=slots, generations=gens, out=SimpleNamespace(conf=conf))))
         for r in finished:
             r.rec.end, r.rec.tokens = t, r.out
             steps = len(r.rec.chunks) - 1                      # verify steps: every chunk after the first token

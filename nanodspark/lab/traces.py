@@ -205,7 +205,7 @@ class StepLedger:
 
         def recording_plan(requests, step):
             wp = plan(requests, step)
-            led._budgets[step] = wp.budget if wp.trim else sum(wp.window_cap)
+            led._budgets[step] = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))
             return wp
         sched.preempt, policy.plan = counting_preempt, recording_plan
         led._detach = lambda: (sched.__dict__.pop("preempt", None), policy.__dict__.pop("plan", None))
