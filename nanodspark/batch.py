@@ -121,4 +121,4 @@ class RunningBatch:
             self.out = grown
 
     def spec_stats(self, s: int) -> SpecStats:
-        return SpecStats(*(int(v) for v in self.spec[s]))
+        return SpecStats(*self.spec[s].tolist())

@@ -102,8 +102,7 @@ def commit_text(tokenizer, req, new_ids: list[int], final: bool) -> TextCommit:
 
 def _decode_window(tokenizer, req, end: int) -> tuple[str, str]:
     """The decode window with and without the tokens since the last boundary."""
-    p = len(req.prompt_ids)
-    window = req.ids(p + req.detok_prefix, p + end)
+    window = req.output_slice(req.detok_prefix, end)
     return tokenizer.decode(window), tokenizer.decode(window[:req.detok_read - req.detok_prefix])
 
 

@@ -407,8 +407,8 @@ class LLMEngine:
         quiet = ~own
         out.add_rows(d.requests[rows][quiet], toks[quiet], take[quiet], b.spec[s[quiet]], b.out_len[s[quiet]])
         # Python only for the rows that need it
-        bs, W = self.config.block_size, self.scheduler.window_kept
-        crossed = ((before + count) // bs > before // bs) | ((before + count - W) // bs > (before - W) // bs)
+        S, W = self.scheduler.settle_tokens, self.scheduler.window_kept     # runs of blocks (scheduler.py)
+        crossed = ((before + count) // S > before // S) | ((before + count - W) // S > (before - W) // S)
         first = n_out == 0
         for i in np.flatnonzero(own | crossed | first).tolist():
             req = d.requests[rows[i]]

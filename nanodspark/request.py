@@ -151,6 +151,11 @@ class Request:
         else:
             self._output.extend(ids)
 
+    def output_slice(self, start: int, stop: int) -> list[int]:
+        """output_ids[start:stop] without building the whole list (the detokenizer's window)."""
+        rows = self._rows
+        return rows.output(self.slot, start, stop) if rows is not None else self._output[start:stop]
+
     def truncate_output(self, n: int) -> None:
         """Keep the first n output tokens (a stop string completed before the last)."""
         if self._rows is not None:

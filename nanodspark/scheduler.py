@@ -43,6 +43,8 @@ from .request import Request, Status
 from .swa_replay import Snapshot, SnapshotPool, plan_replay, replay_tokens, snapshot_plan
 
 
+SETTLE_BLOCKS = 4      # KV blocks a decoding request reserves / publishes / releases at a time
+
 class Drain(Exception):
     """Scheduling must preempt a request whose step is still in flight: read it first."""
 
@@ -69,6 +71,10 @@ class Scheduler:
         # With snapshots, a sliding table keeps one more block than the window needs: a snapshot
         # is cut at a block boundary up to block_size - 1 positions before the frontier.
         self.window_kept = self.window + (cfg.block_size if self.snapshots.capacity else 0)
+        # A decoding request reserves, publishes and releases KV in runs of SETTLE_BLOCKS blocks:
+        # per-request Python then runs once per run instead of once per block (host work per step
+        # at batch 256), for at most SETTLE_BLOCKS - 1 blocks held ahead per request.
+        self.settle_tokens = cfg.block_size * SETTLE_BLOCKS
 
     # -- requests in and out ----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -147,12 +153,17 @@ class Scheduler:
         full, sliding = req.tables.get("full"), req.tables.get("sliding")
         if full is None or sliding is None:
             return False
+        self.settle(req, 0)                             # publish what a run of blocks left unpublished
         return self.snapshots.save(full.last_hash, self.managers["full"].published_tokens(full), sliding)
 
     def _grow(self, req: Request, num_tokens: int) -> None:
-        """Reserve positions < num_tokens in every group, rounded up to whole blocks: a request
-        then needs the scheduler again only when its next rows cross a block boundary."""
+        """Reserve positions < num_tokens in every group, rounded up to whole blocks (a decoding
+        request: to a run of SETTLE_BLOCKS, within its limit): a request then needs the scheduler
+        again only when its next rows cross that boundary."""
         bs = self.cfg.block_size
+        if req.is_decoding:
+            run = self.settle_tokens
+            num_tokens = max(num_tokens, min(-(-num_tokens // run) * run, -(-req.limit_len // bs) * bs))
         num_tokens = -(-num_tokens // bs) * bs
         done = []
         try:

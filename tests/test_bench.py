@@ -289,7 +289,7 @@ def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny
     monkeypatch.setattr("sys.argv", ["nanodspark.bench", "host", "--batches", "3"])
     out = tmp_path / "host.json"
     res = bh.host_bench(argparse.Namespace(model=str(model), drafter=None, batches=[3], steps=3, repeats=1,
-                                           prompt_len=16, stop=["zz"], offline=False, out=str(out)))
+                                           prompt_len=16, stop=["zz"], stream_text=True, out=str(out)))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3 and row == res["rows"][0]
     assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch

@@ -19,8 +19,6 @@ has chi-square divergence at least 4 * 0.02^2 (Cauchy-Schwarz), so with N draws 
 statistic's noncentrality is at least 0.0016 N; power 0.9 needs a noncentrality of 19.2 (scipy:
 ncx2), hence N = 12,030 draws per configuration. The seeds are fixed: the suite is deterministic.
 
-The last test is the case that broke: a budget sized from confidences of drafts whose noise a
-later step reused (verify.py, "fresh noise for every attempt").
 """
 import itertools
 import zlib
@@ -131,65 +129,3 @@ def check(pair, mode, clamp, sampling, seeded):
     assert verified > 0 and 0.05 < accepted / verified < 0.95      # drafts were judged, both ways
     if mode != "static" and clamp in ("cap", "budget"):             # the clamp really clamped
         assert verified < GAMMA * sum(o.spec["steps"] for o in outs) * 0.9
-
-
-@pytest.fixture(scope="module")
-def bigram_pair(tmp_path_factory):
-    """A target whose next token depends on the current token only (its layers add nothing: a
-    bigram table, near uniform) and a drafter that drafts uniformly, confident (c ~ 1) after
-    tokens 0 and 1 and not (c ~ 0) after 2 and 3. The exact law of every position is a matrix
-    power of the bigram table."""
-    from safetensors.torch import load_file, save_file
-    root = tmp_path_factory.mktemp("bigram")
-    make_hf_model("qwen3", root / "m", vocab_size=V, num_hidden_layers=2, seed=5)
-    f = next((root / "m").glob("*.safetensors"))
-    sd = load_file(f)
-    for k in sd:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            sd[k].zero_()
-    save_file(sd, f, metadata={"format": "pt"})
-    target = load_model(root / "m")
-    d = random_drafter(target, gamma=3, num_layers=1, std=0.3, seed=6, mask_token_id=0)
-    with torch.no_grad():
-        d.norm.weight.zero_()                          # hidden 0: base logits 0, so q is uniform
-        d.markov_w2.weight.zero_()
-        d.markov_w1.weight.zero_()
-        d.markov_w1.weight[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0])
-        d.confidence_head.weight.zero_()
-        d.confidence_head.bias.zero_()
-        d.confidence_head.weight[0, target.config.hidden_size] = 12.0
-    d.save(root / "d")
-    # a cliff: verifying any draft costs 3.5 steps, so the budget is all or nothing, and all only
-    # when the lagged survivals of every cell are high (the anchor and both drafts before the last in {0, 1})
-    CostTable(measurements={(1, k): 1.0 if k == 0 else 3.5 for k in range(4)}, model_name=str(root / "m"),
-              dtype=str(torch.float32), device="cpu").save(root / "c.json")
-    with torch.no_grad():
-        table = torch.stack([torch.softmax(target.compute_logits(target(torch.tensor([a]), torch.tensor([0]),
-                             DenseAttentionContext(1, 1)).hidden).double(), -1)[0] for a in range(V)])
-    return root, table
-
-
-def test_a_budget_never_sees_the_drafts_it_admits(bigram_pair):
-    """The case that drifted: a step that commits only the target's token leaves its other drafts
-    to be proposed again by the next step; the budget of that next step comes from the first
-    step's confidences (lag 1), which those drafts set. With the draft noise keyed by position
-    alone the re-proposed draft *was* the old one (same noise, same law), so the budget admitted
-    a draft exactly when it was one of the confident tokens, and tokens 0 and 1 came out too
-    often (on the old code: positions 3-10 held 56.6 % of them against 50.0 % exact, z = 10).
-    Keyed by the anchor too, the budget is blind to the new draft again."""
-    root, table = bigram_pair
-    n, count = 10, 1500
-    llm = LLM(str(root / "m"), use_tqdm=False, **EXACT, drafter_path=str(root / "d"), max_num_seqs=1, seed=9,
-              verify_mode="compact", verify_lag=1, cost_table=str(root / "c.json"))
-    outs = llm.generate([[2, 1, 3]] * count, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True))
-    law, laws = torch.zeros(V, dtype=torch.float64), []
-    law[3] = 1.0
-    for _ in range(n):
-        law = law @ table
-        laws.append(law)
-    in_a = torch.tensor([[t in (0, 1) for t in o.token_ids[2:]] for o in outs], dtype=torch.float64).sum(1)
-    expected = float(sum(p[:2].sum() for p in laws[2:]))
-    z = (float(in_a.mean()) - expected) / (float(in_a.std()) / count ** 0.5)
-    assert abs(z) < 4.0, (float(in_a.mean()), expected, z)
-    trims = sum(o.spec["verified"] for o in outs) / (3 * sum(o.spec["steps"] for o in outs))
-    assert 0.1 < trims < 0.9                          # the budget really went both ways

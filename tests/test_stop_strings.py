@@ -161,6 +161,6 @@ def test_generate_decodes_only_at_the_finish_and_an_aborted_unstreamed_request_k
     final = eng.abort(req.request_id)
     assert req.text == final.text_delta == eng.tokenizer.decode(req.output_ids)
     while eng.has_unfinished():        # (the overlapped loop's step in flight: it streams nothing more)
-        assert eng.step() == []
+        assert list(eng.step()) == []
     eng.release(req.request_id)
     assert req.request_id not in eng.requests

@@ -25,7 +25,7 @@ from .bench_speed import _decoding_batch, _finish, _prompts
 PHASES = ("schedule", "launch_less_forward", "result", "commit")
 
 
-def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = True) -> dict:
+def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = False) -> dict:
     """Per-step host ms of each phase over `steps` decode steps of a batch already decoding."""
     eng = llm.engine
     eng.overlap = False                         # phases one after the other: each timed alone
@@ -61,7 +61,7 @@ def host_bench(args) -> dict:
         llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
                   max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch)
         prompts = _prompts(batch, args.prompt_len, llm.engine.model_config.vocab_size)
-        reps = [time_phases(llm, prompts, args.steps, args.stop, not args.offline) for _ in range(args.repeats)]
+        reps = [time_phases(llm, prompts, args.steps, args.stop, args.stream_text) for _ in range(args.repeats)]
         row = {k: round(statistics.median(r[k] for r in reps), 3) for k in PHASES}
         row.update(batch=batch, total=round(sum(row[k] for k in PHASES), 3),
                    commit_us_per_request=round(1e3 * row["commit"] / batch, 2))
@@ -70,7 +70,7 @@ def host_bench(args) -> dict:
               + f" ms  commit/request {row['commit_us_per_request']} us", flush=True)
         del llm
     result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
-                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, offline=args.offline,
+                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, stream_text=args.stream_text,
                   steps=args.steps,
                   repeats=args.repeats, prompt_len=args.prompt_len, environment=environment(),
                   argv=["python", "-m", "nanodspark.bench", *sys.argv[2:]])
@@ -87,6 +87,7 @@ def add_host_args(p) -> None:
     p.add_argument("--repeats", type=int, default=3, help="repeats per batch size; medians over steps and repeats")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries (a path of its own)")
-    p.add_argument("--offline", action="store_true",
-                   help="requests as LLM.generate adds them: text decoded once, at the finish (not streamed)")
+    p.add_argument("--stream-text", action="store_true",
+                   help="requests as LLM.stream adds them: text decoded every step in the engine (default: as "
+                        "serve.py's engine core and LLM.generate add them, no text in the step)")
     p.add_argument("--out", default=None, help="JSON path")

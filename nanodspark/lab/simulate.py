@@ -2,9 +2,9 @@
 
 The idea
     A serving run is a sequence of engine steps, and each step is three decisions and a price.
-    The scheduler picks the rows: running requests first in admission order (a decoding one
-    claims 1 + gamma rows of the token budget, a prefilling one its next chunk), then new
-    admissions while slots and budget last. The window policy picks each decoding request's
+    The scheduler picks the rows in its three passes: decoding requests by slot, 1 + gamma rows
+    of the token budget each; running requests still prefilling, their next chunk, in admission
+    order; then new admissions while slots and budget last. The window policy picks each decoding request's
     window: full blocks (static), or the cost scheduler's budget from confidences `lag` steps
     old and the top-K rule over the fresh ones (compact). The step costs
         T(R, K) + host_s + [prefill rows > 0] prefill_s + prefill_token_s * prefill rows
@@ -161,14 +161,18 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             n_measured += measuring
             waiting.append(_Request(i, len(ids), max_tokens, pick(i), rec))
             i += 1
-        # choose (scheduler.py's order): running requests, then admissions
-        budget, decode, chunks = max_num_batched_tokens, [], []
+        # choose (scheduler.py's three passes): decoding requests by slot, a window each; running
+        # requests still prefilling, in order, the next chunk; then admissions
+        budget, chunks = max_num_batched_tokens, []
+        decoding = sorted((r for r in running if r.decoding), key=lambda r: r.slot)
+        decode = [(r, 1 + g) for r in decoding[:max(budget, 0) // (1 + g)]]
+        budget -= (1 + g) * len(decode)
         for r in running:
-            rows = 1 + g if r.decoding else min(r.prompt_len - r.computed, budget)
-            if budget <= 0 or rows > budget:
-                continue
-            (decode if r.decoding else chunks).append((r, rows))
-            budget -= rows
+            if budget <= 0:
+                break
+            if not r.decoding:
+                chunks.append((r, min(r.prompt_len - r.computed, budget)))
+                budget -= chunks[-1][1]
         while waiting and budget > 0 and len(running) < max_num_seqs:
             r = waiting.popleft()
             r.slot = free.pop()

@@ -67,6 +67,17 @@ class Handle:
     def stream_text(self) -> bool:
         return self.stream
 
+    # the rest of what the detokenizer reads of an engine Request
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    def output_slice(self, start: int, stop: int) -> list[int]:
+        return self.output_ids[start:stop]
+
+    def truncate_output(self, n: int) -> None:
+        del self.output_ids[n:]
+
 
 class OutputProcessor:
     """`StepOutputs` -> each handle's queue, text, stop strings and metrics (event loop only)."""
