@@ -3,56 +3,68 @@
 # device, one stage per call, each well inside a call's 10 minutes:
 #   carry: [".whl", ".carry/old", ".carry/shared"]     command: bash tests/device/measure.sh STAGE
 # .whl: the wheels the image lacks (tests/device/run_suite.sh); .carry/old: the engine before the
-# host-light step (nanodspark/ and kernels/ of the commit named in $OUT/old_commit.txt, its assets a
-# link to this tree's), run side by side in the same call; .carry/shared: ../shared's data.
-#   step     bench host before and after (after: no text in the step, as serve.py's engine core;
-#            and with text streamed in the engine), batch 1/64/256, the default pair with its
-#            drafter; bench engine: tok/s and GPU busy with and without the drafter, and the engine
-#            before (no drafter, batch 256); a timeline at 256
+# host-light step (nanodspark/ and kernels/ of the commit in .carry/old/COMMIT, its assets a link
+# to this tree's), run from its own folder (`python -m` puts the working directory first on the
+# path) side by side in the same call; .carry/shared: ../shared's data.
+#   step     before / after, alternating (A B A B): bench host with no text in the step (before:
+#            --offline; after: the default, as serve.py's engine core adds requests) and bench
+#            engine without the drafter at 64 and 256; then bench engine with the drafter, bench
+#            host with text streamed in the engine (before: what serve.py ran), a timeline at 256
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
 #   thesis   the step-cost profile, then the steady-state sweep no-spec / static / compact / A/A
+# Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
 stage=${1:?usage: measure.sh step|serve|thesis}
 case $stage in step|serve|thesis) ;; *) echo "unknown stage $stage (step, serve, thesis)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
-NEW="env PYTHONPATH=.:/tmp/site python3 -m nanodspark.bench"
-OLD="env PYTHONPATH=.carry/old:/tmp/site python3 -m nanodspark.bench"
+R=$OUT/$stage; mkdir -p "$R"
+new="env PYTHONPATH=.:/tmp/site python3 -m nanodspark.bench"
+old="env -C .carry/old PYTHONPATH=.:/tmp/site python3 -m nanodspark.bench"
 PAIR=nanodspark/assets/default
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/gpu.txt"
+echo "old: $(cat .carry/old/COMMIT 2>/dev/null); new: $(git rev-parse --short HEAD 2>/dev/null)" | tee "$R/versions.txt"
 case $stage in
 step)
-  for side in old new new-stream; do
-    B=$([ $side = old ] && echo "$OLD" || echo "$NEW"); X=$([ $side = new-stream ] && echo --stream-text)
-    timeout 100 $B host --batches 1 64 256 --steps 12 --repeats 3 $X > "$OUT/host_$side.txt" 2>&1
-    echo "host $side rc=$?"
+  for round in 1 2; do
+    for side in old new; do
+      X=$([ $side = old ] && echo --offline)      # no text in the step: before, LLM.generate's path
+      timeout 60 ${!side} host --batches 64 256 --steps 12 --repeats 3 $X > "$R/host_${side}_$round.txt" 2>&1
+      echo "host $side $round rc=$?"
+    done
   done
-  timeout 200 $NEW engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 1 64 256 \
-    --max-tokens 128 --repeats 3 --out "$OUT/engine_new.json" > "$OUT/engine_new.txt" 2>&1
-  echo "engine new rc=$?"
-  timeout 90 $OLD engine --model $PAIR --systems overlap --batches 256 --max-tokens 128 --repeats 3 \
-    --out "$OUT/engine_old.json" > "$OUT/engine_old.txt" 2>&1
-  echo "engine old rc=$?"
-  timeout 60 $NEW timeline --batch 256 --loops sync overlap --out "$OUT/timeline_256.png" > "$OUT/timeline.txt" 2>&1
+  for round in 1 2; do
+    for side in old new; do
+      timeout 60 ${!side} engine --model $PAIR --systems overlap --batches 64 256 --max-tokens 128 --repeats 3 \
+        --out "$R/engine_${side}_$round.json" > "$R/engine_${side}_$round.txt" 2>&1
+      echo "engine $side $round rc=$?"
+    done
+  done
+  timeout 90 $new engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 64 256 --max-tokens 128 \
+    --repeats 3 --out "$R/engine_new_drafter.json" > "$R/engine_new_drafter.txt" 2>&1
+  echo "engine new drafter rc=$?"
+  timeout 40 $new host --batches 64 256 --steps 12 --repeats 3 --stream-text > "$R/host_new_stream.txt" 2>&1
+  timeout 40 $old host --batches 64 256 --steps 12 --repeats 3 > "$R/host_old_stream.txt" 2>&1   # before: serve.py's path
+  timeout 50 $new timeline --batch 256 --loops sync overlap --out "$R/timeline_256.png" > "$R/timeline.txt" 2>&1
   echo "timeline rc=$?"
-  grep -h "batch  *256" "$OUT"/host_*.txt; grep -E "^\|" "$OUT/engine_new.txt" | tail -7
-  grep -E "^\|" "$OUT/engine_old.txt" | tail -2; tail -3 "$OUT/timeline.txt" ;;
+  grep -H "batch  *256" "$R"/host_*.txt
+  grep -hE "^\| overlap" "$R"/engine_*.txt ;;
 serve)
-  timeout 150 $NEW serve --frontend http --spawn --systems no-spec static --concurrency 1 64 256 --warmup-s 3 \
-    --duration 8 --out "$OUT/serve_http.json" > "$OUT/serve_http.txt" 2>&1
+  timeout 170 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 64 256 --warmup-s 3 \
+    --duration 6 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
   echo "serve http rc=$?"
-  timeout 120 $NEW serve --frontend engine --systems no-spec static --concurrency 1 64 256 --warmup-s 3 \
-    --duration 8 --out "$OUT/serve_engine.json" > "$OUT/serve_engine.txt" 2>&1
+  timeout 110 $new serve --frontend engine --systems no-spec static --concurrency 64 256 --warmup-s 3 \
+    --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
   echo "serve engine rc=$?"
-  tail -9 "$OUT/serve_http.txt" "$OUT/serve_engine.txt" ;;
+  tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
 thesis)
-  timeout 120 $NEW profile --batch-sizes 1 16 64 256 --repeats 2 --out "$OUT/cost_default.json" \
-    > "$OUT/profile.txt" 2>&1
+  timeout 120 $new profile --batch-sizes 1 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
   echo "profile rc=$?"
-  timeout 240 $NEW serve --frontend engine --systems no-spec static compact static-b --cost-table "$OUT/cost_default.json" \
-    --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 220 --out "$OUT/thesis_default.json" \
-    > "$OUT/thesis.txt" 2>&1
+  timeout 240 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
+    --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 220 --out "$R/thesis_default.json" \
+    > "$R/thesis.txt" 2>&1
   echo "thesis rc=$?"
-  tail -12 "$OUT/profile.txt"; tail -24 "$OUT/thesis.txt" ;;
+  tail -n 12 "$R/profile.txt"; tail -n 24 "$R/thesis.txt" ;;
 esac
+tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "$R"
