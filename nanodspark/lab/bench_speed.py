@@ -108,8 +108,9 @@ def time_ns(llm, prompts, max_tokens, repeats) -> dict:
             "tau": round(statistics.mean(taus), 3) if any(taus) else None}
 
 
-def _decoding_batch(llm, prompts, steps_needed, stop=(), stream_text=True):
-    """Admit the prompts with room for `steps_needed` decode steps and step until all decode."""
+def _decoding_batch(llm, prompts, steps_needed, stop=(), stream_text=False):
+    """Admit the prompts with room for `steps_needed` decode steps and step until all decode. No
+    text in the step unless `stream_text` (as serve.py's engine core and LLM.generate add them)."""
     from .. import SamplingParams
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * steps_needed * (1 + eng.gamma) + 8, ignore_eos=True,

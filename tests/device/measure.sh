@@ -12,10 +12,12 @@
 #            host with text streamed in the engine (before: what serve.py ran), a timeline at 256
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
 #   thesis   the step-cost profile, then the steady-state sweep no-spec / static / compact / A/A
+#   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
+#            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|thesis}
-case $stage in step|serve|thesis) ;; *) echo "unknown stage $stage (step, serve, thesis)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|thesis|last}
+case $stage in step|serve|thesis|last) ;; *) echo "unknown stage $stage (step, serve, thesis, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -66,5 +68,20 @@ thesis)
     > "$R/thesis.txt" 2>&1
   echo "thesis rc=$?"
   tail -n 12 "$R/profile.txt"; tail -n 24 "$R/thesis.txt" ;;
+last)
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  timeout 75 $new profile --batch-sizes 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
+  echo "profile rc=$?"; pack
+  timeout 150 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
+    --concurrency 16 64 256 --warmup-s 2 --duration 5 --budget-s 130 --out "$R/thesis_default.json" \
+    > "$R/thesis.txt" 2>&1
+  echo "thesis rc=$?"; pack
+  timeout 75 $new serve --frontend http --spawn --systems no-spec static --concurrency 64 256 --warmup-s 2 \
+    --duration 5 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
+  echo "serve http rc=$?"; pack
+  timeout 40 $new engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 256 --max-tokens 128 \
+    --repeats 2 --out "$R/engine_busy.json" > "$R/engine_busy.txt" 2>&1
+  echo "engine rc=$?"
+  tail -n 6 "$R/profile.txt"; tail -n 14 "$R/thesis.txt"; tail -n 8 "$R/serve_http.txt"; grep -hE "^\| overlap" "$R/engine_busy.txt" ;;
 esac
 tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "$R"
