@@ -168,6 +168,15 @@ class RaggedGraphs:
         self.capture_seconds += time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
 
+    def drop(self) -> None:
+        """Forget every graph and their pool: a pool whose graphs are gone cannot be captured into
+        again (the allocator asserts), so a later capture starts a new one."""
+        self.graphs.clear()
+        self.pool = None
+        if self.use_graphs:
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+
     def warm(self, variants) -> None:
         """Run every tier once eagerly on padding inputs (compiles kernels; lets a caller record
         the shapes a decode step uses, e.g. to tune its GEMMs before capture)."""

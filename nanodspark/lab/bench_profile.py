@@ -148,7 +148,7 @@ def use_mode(eng, mode) -> None:
     ex = eng.executor
     ex.spec.mode = mode
     if ex.graphs.graphs:
-        ex.graphs.graphs.clear()
+        ex.graphs.drop()
         ex.graphs.capture([(True, False), (False, False)], progress=False)
 
 
