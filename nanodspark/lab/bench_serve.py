@@ -700,13 +700,16 @@ def add_serve_args(p, dspark: bool = False) -> None:
     if not dspark:
         p.add_argument("--model", default=None, help="target checkpoint (default: the embedded pair)")
         p.add_argument("--cost-table", default=None, help="step-cost profile for compact (`bench profile`)")
-        p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
-        p.add_argument("--workloads", nargs="+", default=["mix"], choices=WORKLOADS)
+        p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256],
+                       help="requests held in flight (closed-loop clients), one run each")
+        p.add_argument("--workloads", nargs="+", default=["mix"], choices=WORKLOADS,
+                       help="prompt sets (mix: all four interleaved)")
         p.add_argument("--repeats", type=int, default=1, help="rounds per point; the order rotates each round")
-        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature of every request (0: greedy)")
         p.add_argument("--prompt-tokens", type=int, default=256, help="prompts are cut to their last N tokens")
-        p.add_argument("--data-dir", default=None)
-        p.add_argument("--kv-gb", type=float, default=4.0)
+        p.add_argument("--data-dir", default=None, help="workload data; none: $NANODSPARK_DATA, else ../shared/data")
+        p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory per engine (GB)")
         p.add_argument("--out", default="", help="JSON of every run (and a Pareto PNG beside it)")
         p.add_argument("--output-len", type=int, default=128, help="mean output tokens per request (ignore_eos)")
     p.add_argument("--output-spread", type=float, default=0.25,
@@ -716,12 +719,14 @@ def add_serve_args(p, dspark: bool = False) -> None:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of the measured window")
     p.add_argument("--num-requests", type=int, default=0,
                    help="measure the first N requests sent after the warm-up instead of --duration")
-    p.add_argument("--percentiles", type=float, nargs="+", default=[50, 90, 99])
+    p.add_argument("--percentiles", type=float, nargs="+", default=[50, 90, 99],
+                   help="latency percentiles reported (TTFT, TPOT, ITL)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="engine slots (default: the largest concurrency)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="token budget per step (0: the engine's)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="keep the prefix cache on (off by default: a closed loop repeats its prompts)")
-    p.add_argument("--stream-text", action="store_true", help="engine front end: detokenize every step, as serving does")
+    p.add_argument("--stream-text", action="store_true",
+                   help="engine front end: detokenize every step, as serving does")
     p.add_argument("--record-traces", default=None, metavar="DIR",
                    help="engine front end: write acceptance traces (simulator input) of each speculative "
                         "system's first round to DIR/<system>_<workload>_c<C>.npz")
@@ -730,7 +735,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
     p.add_argument("--serve-cmd", default=None,
                    help="http: the command that starts a server, with {port} and {flags} (the system's flags)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="http: seconds before one request counts as an error")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the output lengths")
 

@@ -393,13 +393,15 @@ def add_simulate_args(p) -> None:
     p.add_argument("--cost-table", required=True, help="T(R, K) of speculative steps (`bench profile`)")
     p.add_argument("--table-key", default=None, help="which table of the file (default: its only one)")
     p.add_argument("--plain-table", default=None, help="T(R, 0) without a drafter (`bench profile-plain`)")
-    p.add_argument("--plain-key", default=None)
+    p.add_argument("--plain-key", default=None,
+                   help="the plain table's entry to use when its file holds several (default: its first)")
     p.add_argument("--traces", default=None, help="acceptance traces (`bench serve --record-traces`), .npz or .json")
     p.add_argument("--scale-tau", type=float, default=None,
                    help="replay synthetic traces of this full-block tau instead (a prediction at that tau)")
     p.add_argument("--gamma", type=int, default=None, help="with --scale-tau: the block size to predict for")
-    p.add_argument("--systems", nargs="+", default=["no-spec", "static", "compact"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--systems", nargs="+", default=["no-spec", "static", "compact"], help="systems predicted")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256],
+                   help="concurrencies predicted (closed-loop clients)")
     p.add_argument("--host-ms", type=float, default=0.0, help="host milliseconds per step not in the table")
     p.add_argument("--prefill-ms", type=float, default=0.0, help="fixed milliseconds of a step with prefill rows")
     p.add_argument("--prefill-token-us", type=float, default=0.0, help="microseconds per prefill row")
@@ -407,21 +409,27 @@ def add_simulate_args(p) -> None:
                    help="fit the three terms above from a `bench serve` JSON (engine front end)")
     p.add_argument("--compare", default=None, help="a `bench serve` JSON to print the prediction against")
     p.add_argument("--model", default=None, help="whose tokenizer measures the prompts (as bench serve did)")
-    p.add_argument("--workload", default="mix", choices=WORKLOADS)
-    p.add_argument("--prompts", type=int, default=400)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--output-spread", type=float, default=0.25)
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--warmup-s", type=float, default=3.0)
-    p.add_argument("--duration", type=float, default=20.0)
-    p.add_argument("--num-requests", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=0)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's (8192 on CUDA, 2048 on CPU)")
-    p.add_argument("--lag", type=int, default=DEFAULT_LAG)
-    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
+    p.add_argument("--workload", default="mix", choices=WORKLOADS, help="prompt set the requests are drawn from")
+    p.add_argument("--prompts", type=int, default=400, help="distinct prompts cycled through")
+    p.add_argument("--prompt-tokens", type=int, default=256,
+                   help="prompt tokens per request (prompts cut to their last N)")
+    p.add_argument("--output-len", type=int, default=128, help="mean new tokens per request")
+    p.add_argument("--output-spread", type=float, default=0.25,
+                   help="relative spread of output lengths (uniform, +-)")
+    p.add_argument("--data-dir", default=None, help="workload data; none: $NANODSPARK_DATA, else ../shared/data")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="virtual seconds of load before the window")
+    p.add_argument("--duration", type=float, default=20.0, help="virtual seconds of the measured window")
+    p.add_argument("--num-requests", type=int, default=0,
+                   help="measure this many requests instead of a window (0: the window)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="engine slots (0: the largest concurrency)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the engine's (8192 on CUDA, 2048 on CPU)")
+    p.add_argument("--lag", type=int, default=DEFAULT_LAG,
+                   help="steps between the confidences that size the budget and now")
+    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
+                   help="the cost scheduler's guard: trim only for a predicted gain above this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the output lengths")
+    p.add_argument("--out", default="", help="JSON of the prediction (none: print only)")
 
 
 # ----------------------------------------------------------------------------- T(R, 0) without a drafter
@@ -472,9 +480,10 @@ def profile_plain(args) -> dict:
 
 
 def add_profile_plain_args(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--model", default=None, help="target checkpoint directory; none: the shipped default")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256],
+                   help="batch sizes profiled")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request (random ids)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kv-gb", type=float, default=4.0)
-    p.add_argument("--out", default="plain_table.json")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per batch size (median)")
+    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory (GB)")
+    p.add_argument("--out", default="plain_table.json", help="the plain cost table (JSON) to write")

@@ -140,7 +140,8 @@ def add_args(p) -> None:
     p.add_argument("--measured", nargs="*", default=[], help="`bench serve` / `bench dspark` JSON files")
     p.add_argument("--predicted", nargs="*", default=[], help="`bench simulate` JSON files")
     p.add_argument("--labels", nargs="*", default=None, help="one name per file, measured first")
-    p.add_argument("--systems", nargs="+", default=["static", "compact"])
-    p.add_argument("--workload", default="mix")
-    p.add_argument("--title", default=None)
-    p.add_argument("--out", default="speedup.png")
+    p.add_argument("--systems", nargs="+", default=["static", "compact"],
+                   help="speculative systems drawn (each over no-spec)")
+    p.add_argument("--workload", default="mix", help="workload of the rows drawn")
+    p.add_argument("--title", default=None, help="figure title (default: from the inputs)")
+    p.add_argument("--out", default="speedup.png", help="the PNG to write")

@@ -286,17 +286,17 @@ def parse_sampling(body: dict, max_tokens_default: int) -> SamplingParams:
     seed = get_field(body, "seed", "int")
     if seed is not None and not -2**63 <= seed < 2**64:
         raise bad_request("'seed' must fit in 64 bits", "seed")
-    params = SamplingParams(
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=0 if top_k == -1 else top_k,   # -1 is a common spelling of "off"
-        max_tokens=max_tokens,
-        stop=_stop_strings(body),
-        seed=seed,
-        ignore_eos=get_field(body, "ignore_eos", "bool", False),
-    )
-    try:
-        return params.validate()
+    stop, ignore_eos = _stop_strings(body), get_field(body, "ignore_eos", "bool", False)
+    try:                     # SamplingParams checks itself when built, as validate() does
+        return SamplingParams(
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=0 if top_k == -1 else top_k,   # -1 is a common spelling of "off"
+            max_tokens=max_tokens,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        ).validate()
     except ValueError as e:  # a rule the engine added that the lines above do not know yet
         first = str(e).split(" ", 1)[0].strip("'")
         raise bad_request(str(e), first if first in body else None) from None
