@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, survival)
-from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
+from nanodspark.drafter import Drafter, DrafterConfig  # noqa: E402
+from nanodspark.drafter_training import block_pass  # noqa: E402
 from nanodspark.lab.text_proxy import PROXY_DOMAINS, text_proxy  # noqa: E402
 from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402

@@ -41,22 +41,17 @@ import torch
 from torch.profiler import record_function
 
 from .batch import RunningBatch
-from .config import EngineConfig, pick_device, pick_dtype
+from .config import EngineConfig, pick_device
 from .detokenizer import commit_text
 from .device_state import StateWrites
 from .loader import Tokenizer
 from .paged_kv import BlockManager
-from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status, StepOutputs
+from .request import Request, RequestOutput, Status, StepOutputs
 from .runner import Chunk
 from .sampling import SamplingParams, draw_seed
 from .scheduler import Drain, Schedule, Scheduler
 from .step import DecodeRows, StepPlan, StepResult
 from .worker import Worker
-
-# The request records and the scheduler live in request.py and scheduler.py; they are named here
-# too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
-__all__ = ["GenerationOutput", "LLMEngine", "PhaseClock", "Request", "RequestOutput", "Scheduler",
-           "SpecStats", "Status", "pick_device", "pick_dtype"]
 
 
 def auto_token_budget(device: torch.device) -> int:

@@ -47,7 +47,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 @dataclass
-class Layout:
+class RowLayout:
     """The packed ragged layout of one verify batch (device tensors)."""
     cu_seqlens: torch.Tensor   # int32 [R + 1]: request r owns rows cu[r]:cu[r+1]
     row_req: torch.Tensor      # int64 [T]: the request of each row (padding rows: the last request)
@@ -55,7 +55,7 @@ class Layout:
     row_valid: torch.Tensor    # bool [T]: False for the padding rows past cu[R]
 
 
-def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
+def pack_rows(rows: torch.Tensor, tokens: int) -> RowLayout:
     """Lay R requests' `rows` [R] (int64, sum <= tokens) out in `tokens` packed rows, on the
     device with no host sync. Example: rows [2, 1, 4], tokens 8 -> cu [0, 2, 3, 7], row_req
     [0, 0, 1, 2, 2, 2, 2, 2], row_off [0, 1, 0, 0, 1, 2, 3, 0], the last row padding."""
@@ -67,7 +67,7 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
     row_req = torch.searchsorted(cu[1:], t, right=True).clamp(max=R - 1)
     valid = t < cu[-1]
     row_off = torch.where(valid, t - cu[row_req], 0)
-    return Layout(cu.to(torch.int32), row_req, row_off, valid)
+    return RowLayout(cu.to(torch.int32), row_req, row_off, valid)
     # END STUDENT ragged-graphs
 
 
