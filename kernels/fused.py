@@ -1,4 +1,4 @@
-"""Triton kernels that fuse the small ops of a decoder layer (walkthrough/10_ragged_graphs.md §4).
+"""Triton kernels that fuse the small ops of a decoder layer (walkthrough chapter 10).
 
 The idea
     A decode step of a small model is a long list of tiny kernels: an RMSNorm alone is seven

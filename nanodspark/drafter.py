@@ -1,26 +1,26 @@
-"""DSpark's semi-autoregressive block drafter (paper §2.2, §3.1, §3.2).
+"""DSpark's semi-autoregressive block drafter (paper sections 2.2, 3.1, 3.2).
 
 Three parts, one forward:
 
 1. **Parallel backbone** (DFlash-style KV injection). The target's hidden states after a few
    chosen layers are concatenated and projected: `ctx = RMSNorm(fc([h_l1; ...; h_lm]))`. Every
    draft layer projects `ctx` with its *own* k/v projections ("injection") and caches the result
-   in the drafter's paged KV, one entry per committed target position. A block
+   in the drafter's paged KV, one entry per committed target position. A draft block
    `[anchor, mask x (gamma-1)]` at positions `a .. a+gamma-1` then runs through the draft layers
    in one pass: its queries attend to the cached context (positions `< a`, strictly before the
-   anchor) and bidirectionally to the block itself. Every slot is a prediction: slot k predicts
-   the token at `a + k + 1`, so gamma inputs give gamma base logits `U_k` through the target's
-   frozen, shared LM head.
-2. **Markov head** (§3.1, Eq. 5). A low-rank bigram bias `B(x_{k-1}, .) = W2 W1[x_{k-1}]` is added
-   to slot k's base logits while sampling left to right; slot 0 conditions on the anchor. The
-   draft distribution of slot k is therefore an exact softmax given the sampled prefix, which is
-   what lossless rejection sampling needs (verify.py).
-3. **Confidence head** (§3.2, Eq. 7). `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k + s_k)`:
-   the probability that draft k survives verification given that the drafts before it did.
-   `T_k` are the Sequential Temperature Scaling temperatures and `s_k` logit shifts (our
-   addition; identity / zero until `calibration.fit_sts_shifted` sets them; a checkpoint
-   without `sts_shift` loads with zeros). Cumulative survival `a_k = c_1 ... c_k` feeds the
-   cost scheduler.
+   anchor) and bidirectionally to the block itself. Every draft position is a prediction:
+   position k predicts the token at `a + k + 1`, so gamma inputs give gamma base logits `U_k`
+   through the target's frozen, shared LM head.
+2. **Markov head** (section 3.1, Eq. 5). A low-rank bigram bias `B(x_{k-1}, .) = W2 W1[x_{k-1}]`
+   is added to position k's base logits while sampling left to right; position 0 conditions on
+   the anchor. The draft distribution of position k is therefore an exact softmax given the
+   sampled prefix, which is what lossless rejection sampling needs (verify.py).
+3. **Confidence head** (section 3.2, Eq. 7).
+   `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k + s_k)`: the probability that draft k
+   survives verification given that the drafts before it did. `T_k` are the Sequential
+   Temperature Scaling temperatures and `s_k` logit shifts (our addition; identity / zero until
+   `calibration.fit_sts_shifted` sets them; a checkpoint without `sts_shift` loads with zeros).
+   Cumulative survival `a_k = c_1 ... c_k` feeds the cost scheduler.
 
 Invariants: the drafter's context cache holds, for every committed position `p` of a request, the
 injected K/V of the target features at `p`; the anchor's own features are never in it (the
@@ -56,8 +56,8 @@ class DrafterConfig:
     num_key_value_heads: int = 2
     head_dim: int = 64
     intermediate_size: int = 768
-    gamma: int = 5                       # block size: gamma input slots, gamma drafts
-    mask_token_id: int = 3               # input id of the masked slots
+    gamma: int = 5                       # draft block size: gamma inputs, gamma drafts
+    mask_token_id: int = 3               # input id of the masked positions
     markov_rank: int = 64                # 0 = no Markov head (the DFlash baseline)
     confidence: bool = True              # False = no confidence head (the DFlash baseline)
     vocab_size: int = 8192
@@ -213,9 +213,9 @@ class Drafter(nn.Module):
                 block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
                 ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT) -> Draft:
         """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
-        sequential stage, slot by slot: base logits plus the Markov bias of the previous token
-        (the anchor for slot 0), the confidence of the slot, and its token. Sampling (st; None =
-        every request greedy) draws slot k with the request's keyed noise on `stream` (DRAFT; TARGET
+        sequential stage, position by position: base logits plus the Markov bias of the previous
+        token (the anchor for position 0), the confidence of the position, and its token. Sampling (st; None =
+        every request greedy) draws position k with the request's keyed noise on `stream` (DRAFT; TARGET
         for coupled drafts, verify.py) at the position it proposes, anchor + k + 1. No host sync:
         this runs inside a CUDA graph."""
         h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
@@ -225,7 +225,7 @@ class Drafter(nn.Module):
             base = self.lm_head(h).float()
         # BEGIN STUDENT drafter sequential
         prev, toks, probs, zs = anchors, [], [], []
-        for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
+        for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per position
             logits = base[:, k] + self.markov_bias(prev)
             zs.append(self.confidence_logit(h[:, k], prev))
             t = logits.argmax(-1)

@@ -25,8 +25,8 @@ def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anc
 
     ctx_k / ctx_v: per draft layer, the injected context K/V `[B, S, Hkv, D]`; anchors `[B, A]`.
     Block (b, a) may attend the context positions `< anchors[b, a]` of its own sequence and its
-    own gamma slots (bidirectionally); blocks never see each other. Queries arrive flattened in
-    (sequence, anchor, slot) order, `[B*A*gamma, H, D]`."""
+    own gamma draft positions (bidirectionally); blocks never see each other. Queries arrive flattened in
+    (sequence, anchor, draft position) order, `[B*A*gamma, H, D]`."""
     B, A = anchors.shape
     S = ctx_k[0].shape[1]
     dev = anchors.device
@@ -63,8 +63,8 @@ class BlockPass:
     """One teacher-forced drafter pass over anchors of a padded batch (all tensors [B, A, gamma, ...]).
 
     logits: drafter logits (Markov bias added); p_target: the target's next-token distribution
-    at each slot's position; labels: the true next tokens; prev: the true token at each slot
-    (what the teacher-forced Markov head saw); valid: the slot's label lies inside its sequence;
+    at each draft position; labels: the true next tokens; prev: the true token at each draft
+    position (what the teacher-forced Markov head saw); valid: the position's label lies inside its sequence;
     h: the drafter's hidden states (for the confidence head).
     """
     logits: torch.Tensor
@@ -102,7 +102,7 @@ def block_pass(drafter: Drafter, target, seqs: list[dict], gamma: int, n_anchors
                      capture_layers=tuple(cfg.target_layer_ids))
     k = torch.arange(gamma, device=device)
     row0 = (torch.arange(B, device=device) * S)[:, None, None]
-    pos = anchors[:, :, None] + k                                           # [B, A, g] slot positions
+    pos = anchors[:, :, None] + k                                           # [B, A, g] draft positions
     valid = has[:, :, None] & (pos + 1 < lens[:, None, None])              # label inside the sequence
     rows = row0 + pos.clamp(max=S - 1)
     labels = flat_ids[row0 + (pos + 1).clamp(max=S - 1)]

@@ -56,7 +56,7 @@ from .worker import Worker
 
 def auto_token_budget(device: torch.device) -> int:
     """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk runs eagerly and its
-    host launches cost the same at 2k or 8k tokens (09 §8c), so a prompt wave in fewer chunks is
+    host launches cost the same at 2k or 8k tokens (chapter 09), so a prompt wave in fewer chunks is
     cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
     return 8192 if device.type == "cuda" else 2048
 

@@ -1,4 +1,4 @@
-"""The decode step on the device: draft -> choose windows -> verify -> accept (paper §3, Fig. 1).
+"""The decode step on the device: draft -> choose windows -> verify -> accept (paper section 3, Fig. 1).
 
 One call of `SpecStep` advances every decoding request of a batch by one verify step, without
 the host: the anchors and positions come from the device state (device_state.py), the drafter
