@@ -3,7 +3,7 @@
     python train_heads.py --out runs/drafter                     # default target, all phases
     python train_heads.py --phases data,train --seconds 120 ...  # a subset
 
-Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
+Phases (paper sections 3.3, 3.2.1, 4):
 
 1. `data` — prompts from *training* text only (never evaluation prompts): the beginnings of
    corpus documents of every domain (chat and math cut at the assistant turn). The target
@@ -32,7 +32,7 @@ Phases (paper §3.3, §3.2.1, §4; reference/dspark.md §3-4):
    (`nanodspark/lab/text_proxy.py`).
 Everything goes into `report.json`. `--target DIR` takes any checkpoint the engine serves (e.g.
 SmolLM2 from `distill --export-target`); `--write-prompt-corpus DIR` only writes a small copy of
-the corpus's prompt sources, to travel with a large target (09_results.md §4g).
+the corpus's prompt sources, to travel with a large target (chapter 09).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from nanodspark import LLM, SamplingParams  # noqa: E402
 from nanodspark.calibration import (apply_temperatures, calibration_report, fit_sts, fit_sts_shifted,  # noqa: E402
                                     offset_interval, survival)
-from nanodspark.drafter import Drafter, DrafterConfig, block_pass  # noqa: E402
+from nanodspark.drafter import Drafter, DrafterConfig  # noqa: E402
+from nanodspark.drafter_training import block_pass  # noqa: E402
 from nanodspark.lab.text_proxy import PROXY_DOMAINS, text_proxy  # noqa: E402
 from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
@@ -63,7 +64,7 @@ from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # n
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
-TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill" with --domains (09 §4e)
+TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill" with --domains (chapter 09)
 PHASES = {"data", "train", "dflash", "calibrate", "eval", "proxy"}
 
 
@@ -97,7 +98,7 @@ def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=
     `docs` documents longer than 80 characters, each cut to `chars` characters (a prompt uses at
     most the first 400, or the text up to the assistant header; a chat turn longer than `chars`
     becomes a plain cut, 1 of 3,761 at 6,000). It lets the prompts travel with a large target,
-    as the SmolLM2 run of 09_results.md §4g did (5,000 and 6,000)."""
+    as the SmolLM2 run of chapter 09 did (5,000 and 6,000)."""
     out.mkdir(parents=True, exist_ok=True)
     kept = {}
     for dom in domains:
@@ -343,7 +344,7 @@ def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir, at_most: bool 
                      as_shipped: bool = False) -> list[list[int]]:
     """n prompts of a workload (`at_most`: all of them if it has fewer, e.g. chat has 80).
     `as_shipped` puts back the trailing newline the code workload strips from HumanEval's
-    prompts (how code was measured before session 8; 09_results.md §4f)."""
+    prompts (how code was measured before session 8; chapter 09)."""
     from nanodspark.lab.workloads import load_workload, workload_size
     if at_most:
         n = min(n, workload_size(name, data_dir))
@@ -502,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-tokens", type=int, default=96, help="tokens generated per eval prompt")
     ap.add_argument("--eval-workloads", default="math,chat,poetry,code", help="workloads of the eval phase")
     ap.add_argument("--code-prompts-as-shipped", action="store_true",
-                    help="eval code on HumanEval's prompts with their trailing newline (09_results.md §4f)")
+                    help="eval code on HumanEval's prompts with their trailing newline (chapter 09)")
     ap.add_argument("--proxy-n", type=int, default=100, help="documents per workload for the text proxy")
     ap.add_argument("--proxy-tokens", type=int, default=384, help="tokens per document for the text proxy")
     ap.add_argument("--seed", type=int, default=0, help="seed of prompts, anchors, splits and sampling")

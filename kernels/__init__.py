@@ -1,7 +1,7 @@
 """The engine's two KV kernels and their plain-PyTorch references.
 
 The idea
-    * `store_kv(k, v, k_cache, v_cache, slot_mapping)` writes new tokens' K/V into the paged
+    * `store_kv(k, v, k_cache, v_cache, cache_index)` writes new tokens' K/V into the paged
       cache (kernels/store_kv.py).
     * `paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, *, scale,
       sliding_window=0, kv_start=None, max_q_len=None)` attends a packed ragged batch over the

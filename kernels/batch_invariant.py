@@ -21,10 +21,8 @@ The idea
       merges a row's chunks left to right; which chunks a row has follows from its own
       position, window and `kv_start`, never from the batch, its q_len or the tile it shares.
       `attention_ref` computes each row alone, over exactly its own keys.
-    * RMSNorm, q/k-norm + RoPE, SiLU: one program per row already (kernels/fused.py), so they
-      are used as they are; the PyTorch path's per-row reductions (`mean(-1)`) reduce each row
-      alone too.
-    * routing: `route_topk_ref` (softmax and top-k per row) for the PyTorch path.
+    * RMSNorm, q/k-norm + RoPE, SiLU: one program per row already (kernels/fused.py); routing:
+      `route_topk_ref` (softmax and top-k per row) for the PyTorch path.
 
 Invariants
     * For each function here, row t of the output is a function of row t of the input (and
@@ -36,9 +34,8 @@ Invariants
     * Batch invariance holds on one device with one software stack: another GPU, another
       Triton or another torch may choose other instructions and give other (fixed) numbers.
 
-Tested against
-    tests/test_batch_invariance.py (bit-identical rows across batch compositions, padding and
-    chunking; equal to the library path within tolerance; interpreter on CPU, natively on CUDA).
+Tested against: tests/test_batch_invariance.py (bit-identical rows across batch compositions,
+padding and chunking; equal to the library path within tolerance).
 """
 from __future__ import annotations
 

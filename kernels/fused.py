@@ -1,4 +1,4 @@
-"""Triton kernels that fuse the small ops of a decoder layer (walkthrough/10_ragged_graphs.md §4).
+"""Triton kernels that fuse the small ops of a decoder layer (walkthrough chapter 10).
 
 The idea
     A decode step of a small model is a long list of tiny kernels: an RMSNorm alone is seven
@@ -11,7 +11,7 @@ The idea
       the previous block and the next RMSNorm in one pass over the row;
     * `qk_norm_rope_store(qkv, ...)` -> q: splits the fused q/k/v projection, applies the
       per-head RMSNorm of Qwen3 (if any) and rotate-half RoPE to q and k, writes q out and
-      stores k and v into the paged KV cache at `slot_mapping` (negative slot = do not store);
+      stores k and v into the paged KV cache at `cache_index` (negative index = do not store);
     * `silu_mul(gate_up)` -> silu(gate) * up for the SwiGLU MLP (gate and up fused in one GEMM).
 
     Rounding follows the PyTorch reference op by op (kernels/reference.py): every value the
@@ -21,8 +21,8 @@ The idea
 Invariants
     * Rows are independent: row t of every output depends only on row t of the inputs (so a
       padding row of a CUDA-graph batch cannot disturb a real one).
-    * `qk_norm_rope_store` never reads `slot_mapping` for a q head; a row whose slot is
-      negative writes q but stores no K/V (a padding row, or a replay row of the full group).
+    * `qk_norm_rope_store` never reads `cache_index` for a q head; a row whose cache index
+      is negative writes q but stores no K/V (a padding row, or a replay row of the full group).
     * Shapes: x, residual [T, H]; qkv [T, (Hq + 2 Hkv) * D] (q heads, then k, then v);
       cos, sin [T, D]; caches [num_blocks, block_size, Hkv, D] with unit stride on D.
 
@@ -73,7 +73,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slot_ptr, eps,
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, index_ptr, eps,
         stride_qkv, stride_cos, stride_sin, stride_qo_t, stride_qo_h,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -105,11 +105,11 @@ def _qk_norm_rope_store_kernel(
     # eager: x * cos + rotated * sin, each product and the sum rounded to the dtype
     y = ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)
     if h >= HQ:
-        slot = tl.load(slot_ptr + t)
-        if slot >= 0:
+        idx = tl.load(index_ptr + t)
+        if idx >= 0:
             kvh = h - HQ
-            blk = slot // PAGE
-            off = slot % PAGE
+            blk = idx // PAGE
+            off = idx % PAGE
             tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs,
                      y.to(kc_ptr.dtype.element_ty), mask=m)
             v = tl.load(qkv_ptr + t * stride_qkv + (HQ + HKV + kvh) * D + offs, mask=m, other=0.0)
@@ -121,9 +121,9 @@ def _qk_norm_rope_store_kernel(
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                        eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, n_heads: int, n_kv: int,
+                       v_cache: torch.Tensor, cache_index: torch.Tensor, n_heads: int, n_kv: int,
                        head_dim: int) -> torch.Tensor:
-    """q [T, Hq, D] after norm + RoPE; k (after norm + RoPE) and v stored at `slot_mapping`."""
+    """q [T, Hq, D] after norm + RoPE; k (after norm + RoPE) and v stored at `cache_index`."""
     T = qkv.shape[0]
     q = torch.empty(T, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
@@ -132,7 +132,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
     assert head_dim % 2 == 0
     norm = q_norm is not None
     _qk_norm_rope_store_kernel[(T, n_heads + n_kv)](
-        qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, q, k_cache, v_cache, slot_mapping, eps,
+        qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, q, k_cache, v_cache, cache_index, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,40 +1,23 @@
 """Triton paged attention for a packed ragged batch (prefill chunks, decode, verify windows).
 
-The idea
+The idea (walkthrough chapter 03 walks through each part)
     One program computes, for one request `r`, one KV head `kvh` and one *query tile*, the
-    attention output of a `BLOCK_M`-row tile of queries over that request's keys. Four ideas
-    make it fast and keep it small:
+    attention output of a `BLOCK_M`-row tile of queries over that request's keys:
+    1. GQA packing: the `G = Hq // Hkv` query heads that share `kvh` fill the tile's M dimension
+       (row `m` = query token `m // G`, head `kvh * G + m % G`), so one K/V load feeds them all.
+    2. Paging: keys are walked in `BLOCK_N` tiles through `block_tables[r, j // PAGE]`, from
+       the first key any row may read (window, `kv_start`) to the last (causality); `-1`
+       entries are masked off.
+    3. Online softmax in base 2 (running max, denominator, fp32 accumulator); the max starts
+       finite, so a row that has seen only masked keys gets weights of exactly 0 and a row
+       with no key outputs zeros.
+    4. Split-KV (flash-decoding): at small batch the key range is cut into `num_splits` chunks
+       whose partial outputs and log-sum-exps a second kernel merges exactly; `pick_config`
+       takes the fewest splits that fill whole waves of resident programs.
 
-    1. GQA packing. The `G = Hq // Hkv` query heads that share KV head `kvh` read the same keys,
-       so they are packed into the M dimension of the tile: row `m` of the request's
-       `(q_len * G)`-row matrix is query token `m // G`, query head `kvh * G + m % G`. One load
-       of a K/V tile then feeds `BLOCK_M` rows: for a verify window of 8 tokens and G = 4 the
-       32 rows of the tile share every byte read from HBM (decode: G rows share it).
-    2. Paging. The program walks the key positions in `BLOCK_N`-token tiles. For each key it
-       looks up `block_tables[r, j // PAGE]` and reads the row `cache[page, j % PAGE, kvh, :]`.
-       The walk starts at the first key any row of the tile may read (window, `kv_start`) and
-       stops after the last (causality), so blocks wholly outside the window are not visited,
-       and key loads are masked off for any `-1` entry that remains.
-    3. Online softmax. Scores are kept in base 2 (`scale * log2(e)` is folded into the
-       product), with a running row max `m`, running denominator `l` and an fp32 accumulator
-       `acc`; each new tile rescales `l` and `acc` by `2^(m_old - m_new)`. Masked scores are
-       `-inf`; the running max starts at a large finite negative value, so a row that has seen
-       only masked keys gets weights of exactly 0 (no `inf - inf`), and a row with no key at
-       all ends with `l = 0` and outputs zeros.
-    4. Split-KV (flash-decoding). At small batch and long context there are too few
-       (request, KV head, tile) programs to fill the GPU, so the key range is cut into
-       `num_splits` chunks handled by separate programs. Each writes its normalised partial
-       output and its log-sum-exp (base 2) to fp32 scratch; a second small kernel merges the
-       chunks: `o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)` with `M = max_s lse_s`.
-       `pick_config` picks the fewest splits that fill whole waves of resident programs
-       (`choose_num_splits`): a launch a little larger than a wave leaves the GPU idle in the
-       last one.
-
-    CUDA-graph friendly: the grid is `(q_tiles, Hkv * num_splits, B)`, where `q_tiles`
-    depends only on the host int `max_q_len`, and `num_splits` only on host-known shapes
-    (batch size, block-table width, device). Per-request lengths are read inside the kernel
-    from `cu_seqlens_q`, `kv_lens`, `block_tables` and `kv_start`; a program whose tile lies
-    past its request's rows returns at once.
+    CUDA-graph friendly: the grid `(q_tiles, Hkv * num_splits, B)` depends only on host ints
+    (`max_q_len`, batch size, block-table width, device); per-request lengths are read in the
+    kernel, and a program whose tile lies past its request's rows returns at once.
 
 Invariants (see walkthrough/00_design.md)
     * q: [T, Hq, D]; caches [num_blocks, PAGE, Hkv, D] (unit stride on D); block_tables int32
@@ -47,12 +30,9 @@ Invariants (see walkthrough/00_design.md)
       product, as in FlashAttention). Rows that may read nothing get zeros.
     * Rows of q beyond cu_seqlens_q[B] belong to no request; their output is unspecified.
 
-Tested against
-    `kernels.reference.paged_attention_ref` in tests/test_kernels.py (Triton interpreter on
-    CPU, natively on CUDA): ragged batches crossing block boundaries and window edges, q_len
-    1..16 and longer prefill chunks, GQA ratios 1/2/4/8, kv_len up to ~2000, -1 block-table
-    entries, forced split counts (including more splits than key tiles), NaN-poisoned outputs.
-    Speed: `python -m nanodspark.bench kernels` (walkthrough/03_kernels.md).
+Tested against `kernels.reference.paged_attention_ref` in tests/test_kernels.py (interpreter on
+CPU, natively on CUDA): ragged batches across block and window edges, GQA ratios 1/2/4/8, -1
+table entries, forced split counts, NaN-poisoned outputs. Speed: `python -m nanodspark.bench kernels`.
 """
 from __future__ import annotations
 
@@ -138,7 +118,7 @@ def _paged_attention_kernel(
     # range uses fewer of them, at least MIN_TILES key tiles each, and the rest return at once.
     # With one split left the program writes the output itself and the merge skips the row.
     # (MIN_TILES 1 keeps a short range spread over programs: at batch 1 on the H200, two tiles
-    # in one program instead of two took 7.5 us instead of 5.7, walkthrough/10 §5.)
+    # in one program instead of two took 7.5 us instead of 5.7, walkthrough chapter 10.)
     eff = 1
     if SPLIT:
         eff = tl.minimum(num_splits, tl.maximum(tl.cdiv(n_tiles, MIN_TILES), 1))

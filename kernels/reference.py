@@ -5,8 +5,8 @@ The idea
     section "Kernels"), in the most direct PyTorch we could write while staying usable as the
     CPU engine's attention path:
 
-    * `store_kv_ref` scatters each new token's K/V row into its cache slot
-      (`slot = block * block_size + offset`); a negative slot means "do not store".
+    * `store_kv_ref` scatters each new token's K/V row at its cache index
+      (`index = block * block_size + offset`); a negative index means "do not store".
     * `paged_attention_ref` walks the requests of a packed ragged batch one by one. For request
       `r` it gathers only the cache blocks that some of its query rows may read (through its
       block table), lays them out densely, builds the mask (causal, sliding window, `kv_start`)
@@ -42,14 +42,14 @@ _MAX_SCORE_ELEMS = 1 << 24
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: int [T].
+                 cache_index: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; cache_index: int [T].
 
-    Writes k[t] / v[t] to slot `slot_mapping[t]`; negative slots are skipped. In place."""
+    Writes k[t] / v[t] at `cache_index[t]`; negative indices are skipped. In place."""
     block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
+    keep = cache_index >= 0
+    idx = cache_index[keep].long()
+    blocks, offsets = idx // block_size, idx % block_size
     # Two-index advanced assignment writes in place whatever the caches' strides are.
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
@@ -159,10 +159,10 @@ def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     col = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
     pages = block_tables.long().gather(1, col)
     present = (pages >= 0) & (key_pos < lens[:, None])
-    slots = pages.clamp(min=0) * block_size + key_pos % block_size
+    idx = pages.clamp(min=0) * block_size + key_pos % block_size
     keep = present[:, :, None, None]                  # a padded key may hold anything (NaN): zero it
-    k = torch.where(keep, k_cache.reshape(-1, Hkv, D)[slots].float(), 0.0)       # [R, S, Hkv, D]
-    v = torch.where(keep, v_cache.reshape(-1, Hkv, D)[slots].float(), 0.0)
+    k = torch.where(keep, k_cache.reshape(-1, Hkv, D)[idx].float(), 0.0)       # [R, S, Hkv, D]
+    v = torch.where(keep, v_cache.reshape(-1, Hkv, D)[idx].float(), 0.0)
     i = torch.arange(Lq, device=dev)
     row_ok = i[None, :] < q_lens[:, None]                                          # [R, Lq]
     rows = (cu[:-1, None] + i[None, :]).clamp(max=max(T - 1, 0))

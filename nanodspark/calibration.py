@@ -1,6 +1,6 @@
 """Calibration of the confidence head: metrics and Sequential Temperature Scaling (STS).
 
-Paper: DSpark §3.2.1 (confidence head, cumulative survival, STS) and §4.3.3 (ECE / AUROC of
+Paper: DSpark sections 3.2.1 (confidence head, cumulative survival, STS) and 4.3.3 (ECE / AUROC of
 the raw and calibrated head). Walkthrough: chapter 06.
 
 The idea
@@ -12,13 +12,10 @@ The idea
     the T on a log grid that minimises the ECE of a_k = prod_{i<k} sigmoid(z_i/T_i) *
     sigmoid(z_k/T) against the prefix label y_k (1 iff drafts 1..k were all accepted).
     At run time c_k = sigmoid(z_k / T_k) (`apply_temperatures`).
-    STS with shifts (`fit_sts_shifted`, our addition, not in the paper): c_k = sigmoid(z_k / T_k
-    + s_k). A temperature pulls confidences towards 1/2 but cannot lower their mean when they
-    sit near 1/2 (the conditional confidences at positions 2-3 of a small drafter do), so a
-    constant over-prediction survives STS; a per-position logit shift s_k removes it. Each
-    position alternates a temperature search and a shift search (STS_SHIFT_ROUNDS times) that
-    minimise the log-loss of a_k (ECE would be minimised by a constant predictor once a shift
-    is allowed).
+    STS with shifts (`fit_sts_shifted`, our addition): c_k = sigmoid(z_k / T_k + s_k). A
+    temperature cannot lower the mean of confidences that sit near 1/2, so a constant
+    over-prediction survives STS; a per-position shift s_k removes it. Each position alternates
+    a temperature and a shift search minimising the log-loss of a_k (chapter 06 says why not ECE).
 
 Invariants
     * Labels are prefix labels: y_k = 1 implies y_j = 1 for j < k. `valid[n, k]` says position k
@@ -28,14 +25,10 @@ Invariants
       device stream, and nothing is kept at module level.
     * `OnlineCalibrationMetrics` holds only fixed-size histograms (memory is O(gamma * n_bins)).
 
-Definitions (all on the cumulative survival vs the prefix label, per position)
-    ECE     sum_b (n_b / N) * |mean_pred_b - mean_label_b| over equal-width bins on [0, 1]
-    AUROC   Mann-Whitney statistic with average ranks for ties; nan when one class is absent
-    Brier   mean (pred - label)^2
-    ECE floor  the ECE a perfectly calibrated predictor shows at the same N (sampling noise)
-    offset  mean prediction - observed rate, with a bootstrap interval over prompts
-            (`offset_interval`): proposals of one prompt are correlated, so the unit of
-            resampling is the prompt; an interval excluding 0 is an offset STS cannot remove
+Definitions (on the cumulative survival vs the prefix label, per position): ECE over
+equal-width bins on [0, 1]; AUROC as the Mann-Whitney statistic (average ranks for ties, nan
+with one class); Brier; the ECE floor (what a calibrated predictor shows at the same N); the
+offset, mean prediction - observed rate, with a bootstrap interval over prompts.
 
 Defaults (the one place they are written down; every function takes them as parameters)
     N_BINS = 20                 equal-width ECE / reliability bins (DeepSpec's evaluator)

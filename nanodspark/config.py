@@ -15,7 +15,7 @@ differ per architecture:
 
 What cannot be served exactly is refused with a `ValueError` naming the field. `check_config`
 reports, before any weight is read, which fields of a config.json are honoured, ignored or
-refused (`python -m nanodspark.check DIR`); walkthrough chapter 01 §3 has the table.
+refused (`python -m nanodspark.check DIR`); walkthrough chapter 01 has the table.
 
 `EngineConfig` holds every knob of the engine, each with a default, a line of help and a group
 (placement, cache, batching, speculation, execution, parallel, eplb) in its field's metadata;

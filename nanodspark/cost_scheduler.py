@@ -1,6 +1,6 @@
 """Hardware-aware prefix scheduler: how many draft tokens the target verifies, and whose.
 
-Paper: DSpark §3.2.2 (Algorithm 1 and Appendix A on why it stops early), §5.2 (production: a
+Paper: DSpark section 3.2.2 (Algorithm 1 and Appendix A on why it stops early), 5.2 (production: a
 budget from confidences two steps old, windows by top-K over the fresh ones). Walkthrough: 07.
 
 The idea
@@ -31,7 +31,7 @@ Invariants
       missing, stale (another step) or recycled (another generation id).
 
 Defaults (every function takes them as parameters)
-    DEFAULT_LAG = 2              steps between the confidences the budget uses and now (§5.2)
+    DEFAULT_LAG = 2              steps between the confidences the budget uses and now (paper 5.2)
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
                                  (TensorRT-LLM's `confidence_min_predicted_gain`)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search

@@ -2,7 +2,7 @@
 
 The cost scheduler (cost_scheduler.py) trades expected accepted tokens against step time, so it
 needs T(bs, K): seconds per step with bs requests and K extra (draft) verify tokens, M = bs + K
-rows. Paper: DSpark §5.1 (profiled step cost, the additive model). Walkthrough: chapter 07 §4.
+rows. Paper: DSpark section 5.1 (profiled step cost, the additive model). Walkthrough: chapter 07.
 
 The idea
     `CostTable` keeps the table: the measured cost per point (`measurements`, what the scheduler
@@ -107,7 +107,7 @@ def force_monotone(measurements: dict[tuple[int, int], float],
     "isotonic" (default): the least-squares non-decreasing fit (pool adjacent violators), so one
     stalled point becomes a small step shared with its neighbours; "max": raise each point to
     the largest value at a smaller K, which turns one stalled point into a cliff for every
-    larger K (on the H200 that made compact trim for nothing: chapter 09 §5a).
+    larger K (on the H200 that made compact trim for nothing: chapter 09).
     Only along K: the scheduler compares steps of one batch size, and forcing across batch sizes
     too would let one slow outlier at a small bs inflate every larger bs.
     """

@@ -12,7 +12,7 @@ boundary `detok_read` only moves when the window does not end inside a UTF-8 cha
 has been streamed and never changes; streamed text holds back len(stop) - 1 characters so that
 a stop string is never streamed. A step that commits several tokens (a verify step) ends, when a
 stop string completes inside them, at the token that completes it, exactly as one token per step
-would (`commit_text`): `output_ids` never holds tokens past a stop. Walkthrough chapter 01 §4.
+would (`commit_text`): `output_ids` never holds tokens past a stop. Walkthrough chapter 01.
 """
 from __future__ import annotations
 

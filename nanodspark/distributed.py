@@ -49,7 +49,7 @@ import time
 import torch
 
 from .config import ModelConfig, pick_device
-from .sharding import Layout, TPGroup
+from .sharding import ShardLayout, TPGroup
 
 
 class WorkerLost(RuntimeError):
@@ -107,7 +107,7 @@ class Parallel:
                  timeout_s: float, procs=None):
         import torch.distributed as dist
         self.rank, self.world, self.backend, self.device = rank, world, backend, device
-        self.layout = Layout(rank, world, ep_size)
+        self.layout = ShardLayout(rank, world, ep_size)
         self.timeout_s = timeout_s
         td = datetime.timedelta(seconds=timeout_s)
         # Two groups: control messages (gloo, host objects) and the model's collectives. Kept
@@ -147,7 +147,7 @@ class Parallel:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; this machine has "
                              f"{torch.cuda.device_count()} (device='cpu' runs the ranks on the CPU over gloo)")
         from .loader import resolve_model_dir
-        Layout(0, world, cfg.expert_parallel_size).check(ModelConfig.from_json(resolve_model_dir(model_path)))
+        ShardLayout(0, world, cfg.expert_parallel_size).check(ModelConfig.from_json(resolve_model_dir(model_path)))
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
         procs = []

@@ -1,36 +1,33 @@
-"""DSpark's semi-autoregressive block drafter (paper §2.2, §3.1, §3.2).
+"""DSpark's semi-autoregressive block drafter (paper sections 2.2, 3.1, 3.2).
 
 Three parts, one forward:
 
 1. **Parallel backbone** (DFlash-style KV injection). The target's hidden states after a few
    chosen layers are concatenated and projected: `ctx = RMSNorm(fc([h_l1; ...; h_lm]))`. Every
    draft layer projects `ctx` with its *own* k/v projections ("injection") and caches the result
-   in the drafter's paged KV, one entry per committed target position. A block
+   in the drafter's paged KV, one entry per committed target position. A draft block
    `[anchor, mask x (gamma-1)]` at positions `a .. a+gamma-1` then runs through the draft layers
    in one pass: its queries attend to the cached context (positions `< a`, strictly before the
-   anchor) and bidirectionally to the block itself. Every slot is a prediction: slot k predicts
-   the token at `a + k + 1`, so gamma inputs give gamma base logits `U_k` through the target's
-   frozen, shared LM head.
-2. **Markov head** (§3.1, Eq. 5). A low-rank bigram bias `B(x_{k-1}, .) = W2 W1[x_{k-1}]` is added
-   to slot k's base logits while sampling left to right; slot 0 conditions on the anchor. The
-   draft distribution of slot k is therefore an exact softmax given the sampled prefix, which is
-   what lossless rejection sampling needs (verify.py).
-3. **Confidence head** (§3.2, Eq. 7). `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k + s_k)`:
-   the probability that draft k survives verification given that the drafts before it did.
-   `T_k` are the Sequential Temperature Scaling temperatures and `s_k` logit shifts (our
-   addition; identity / zero until `calibration.fit_sts_shifted` sets them; a checkpoint
-   without `sts_shift` loads with zeros). Cumulative survival `a_k = c_1 ... c_k` feeds the
-   cost scheduler.
+   anchor) and bidirectionally to the block itself. Every draft position is a prediction:
+   position k predicts the token at `a + k + 1`, so gamma inputs give gamma base logits `U_k`
+   through the target's frozen, shared LM head.
+2. **Markov head** (section 3.1, Eq. 5). A low-rank bigram bias `B(x_{k-1}, .) = W2 W1[x_{k-1}]`
+   is added to position k's base logits while sampling left to right; position 0 conditions on
+   the anchor. The draft distribution of position k is therefore an exact softmax given the
+   sampled prefix, which is what lossless rejection sampling needs (verify.py).
+3. **Confidence head** (section 3.2, Eq. 7).
+   `c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k + s_k)`: the probability that draft k
+   survives verification given that the drafts before it did. `T_k` are the Sequential
+   Temperature Scaling temperatures and `s_k` logit shifts (our addition; identity / zero until
+   `calibration.fit_sts_shifted` sets them; a checkpoint without `sts_shift` loads with zeros).
+   Cumulative survival `a_k = c_1 ... c_k` feeds the cost scheduler.
 
 Invariants: the drafter's context cache holds, for every committed position `p` of a request, the
 injected K/V of the target features at `p`; the anchor's own features are never in it (the
 anchor has not been through the target yet). The embedding and LM head are the target's
 (frozen, not stored in the drafter checkpoint). `gamma` at serving time equals the trained one.
 Saved as `config.json` + `model.safetensors`, like the target. Walkthrough chapter 05.
-
-Training (train_heads.py) needs the same forward without the paged cache: `training_attention`
-masks many anchors' blocks at once, and `block_pass` is the teacher-forced pass its loss (and
-the natural-text proxy, lab/text_proxy.py) is built on.
+Training runs the same backbone without the paged cache: drafter_training.py.
 """
 from __future__ import annotations
 
@@ -39,14 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .calibration import apply_temperatures
 from .config import ModelConfig
-from .model import (TORCH_OPS, DecoderLayer, DenseAttentionContext, GroupMeta, Ops, PagedAttentionContext, RMSNorm,
-                    apply_rope, rope_cos_sin)
+from .model import (TORCH_OPS, DecoderLayer, GroupMeta, Ops, PagedAttentionContext, RMSNorm, apply_rope,
+                    rope_cos_sin)
+from .paged_kv import table_cache_index
 from .sampling import GREEDY_BELOW, STREAM_DRAFT, SamplingTensors, gumbel_argmax, probs_from_logits
 
 
@@ -59,8 +56,8 @@ class DrafterConfig:
     num_key_value_heads: int = 2
     head_dim: int = 64
     intermediate_size: int = 768
-    gamma: int = 5                       # block size: gamma input slots, gamma drafts
-    mask_token_id: int = 3               # input id of the masked slots
+    gamma: int = 5                       # draft block size: gamma inputs, gamma drafts
+    mask_token_id: int = 3               # input id of the masked positions
     markov_rank: int = 64                # 0 = no Markov head (the DFlash baseline)
     confidence: bool = True              # False = no confidence head (the DFlash baseline)
     vocab_size: int = 8192
@@ -110,22 +107,6 @@ class DraftKV:
         return "draft", self.cache[i, 0], self.cache[i, 1]
 
 
-def positions_to_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slot of each position of each request, on the device: block_tables int32 [R, W],
-    positions [R, n] -> int64 [R, n]; -1 where the table has no block (a padding row)."""
-    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
-    blk = block_tables.gather(1, col).long()
-    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)
-
-
-def row_slots(block_tables: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor,
-              block_size: int) -> torch.Tensor:
-    """Slot of each packed row: block_tables [R, W], row_req [T] (its request), positions [T]."""
-    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
-    blk = block_tables[row_req, col].long()
-    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)
-
-
 @dataclass
 class Draft:
     """One drafting pass over R requests."""
@@ -173,7 +154,7 @@ class Drafter(nn.Module):
 
     def backbone(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Block tokens [N] at positions [N] -> final hidden states [N, H]. `ctx` is an attention
-        context (serving: the paged one built in `propose`; training: `training_attention`)."""
+        context (serving: the paged one built in `block_hidden`; training: drafter_training.py)."""
         x = self.embed(block_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         residual = None
@@ -195,22 +176,22 @@ class Drafter(nn.Module):
         # END STUDENT drafter
 
     # -- inference ---------------------------------------------------------------------------
-    def inject(self, captured: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+    def inject(self, captured: list[torch.Tensor], positions: torch.Tensor, cache_index: torch.Tensor,
                cache: torch.Tensor, ops: Ops = TORCH_OPS) -> None:
-        """Store the context K/V of committed positions at `slots` (a negative slot stores
+        """Store the context K/V of committed positions at `cache_index` (a negative index stores
         nothing: a rejected draft, a replay row, a padding row). cache: [L, 2, blocks, bs, Hkv, D].
         Every row is computed and the store skips the negative ones, so no host sync is needed."""
         feats = self.context_features(captured)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, feats.dtype)
         for i, layer in enumerate(self.layers):
-            ops.kv_norm_rope_store(layer.self_attn, feats, cos, sin, cache[i, 0], cache[i, 1], slots)
+            ops.kv_norm_rope_store(layer.self_attn, feats, cos, sin, cache[i, 0], cache[i, 1], cache_index)
 
     def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
                      block_tables: torch.Tensor, block_size: int, ops: Ops = TORCH_OPS) -> torch.Tensor:
         """The parallel backbone over the blocks `[anchor, mask x (gamma-1)]` of R requests whose
         context is cached below `anchor_pos`: hidden states [R, gamma, H].
 
-        The block's own K/V are stored at the slots of positions anchor .. anchor + gamma - 1
+        The block's own K/V are stored at the cache entries of positions anchor .. anchor + gamma - 1
         (reserved with the verify window; the injection of committed positions overwrites them
         later), and every block query reads all keys below anchor + gamma: the cached context
         and, bidirectionally, the block itself."""
@@ -220,7 +201,7 @@ class Drafter(nn.Module):
         ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         pos = anchor_pos[:, None] + torch.arange(g, device=dev)[None, :]
-        meta = GroupMeta(block_tables, positions_to_slots(block_tables, pos, block_size).reshape(-1),
+        meta = GroupMeta(block_tables, table_cache_index(block_tables, pos, block_size).reshape(-1),
                          (anchor_pos + g).to(torch.int32))
         cu = (torch.arange(R + 1, device=dev) * g).to(torch.int32)
         ctx = PagedAttentionContext(DraftKV(cache), cu, g, {"draft": meta}, ops, causal=False)
@@ -232,9 +213,9 @@ class Drafter(nn.Module):
                 block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
                 ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT) -> Draft:
         """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
-        sequential stage, slot by slot: base logits plus the Markov bias of the previous token
-        (the anchor for slot 0), the confidence of the slot, and its token. Sampling (st; None =
-        every request greedy) draws slot k with the request's keyed noise on `stream` (DRAFT; TARGET
+        sequential stage, position by position: base logits plus the Markov bias of the previous
+        token (the anchor for position 0), the confidence of the position, and its token. Sampling (st; None =
+        every request greedy) draws position k with the request's keyed noise on `stream` (DRAFT; TARGET
         for coupled drafts, verify.py) at the position it proposes, anchor + k + 1. No host sync:
         this runs inside a CUDA graph."""
         h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
@@ -244,7 +225,7 @@ class Drafter(nn.Module):
             base = self.lm_head(h).float()
         # BEGIN STUDENT drafter sequential
         prev, toks, probs, zs = anchors, [], [], []
-        for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per slot
+        for k in range(self.config.gamma):  # the sequential stage: cheap, one bigram bias per position
             logits = base[:, k] + self.markov_bias(prev)
             zs.append(self.confidence_logit(h[:, k], prev))
             t = logits.argmax(-1)
@@ -299,105 +280,3 @@ class Drafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
         return d.to(device=device, dtype=dtype).eval()
-
-
-def training_attention(ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], anchors: torch.Tensor,
-                       gamma: int):
-    """Attention for training (train_heads.py), over a batch of B sequences at once.
-
-    ctx_k / ctx_v: per draft layer, the injected context K/V `[B, S, Hkv, D]`; anchors `[B, A]`.
-    Block (b, a) may attend the context positions `< anchors[b, a]` of its own sequence and its
-    own gamma slots (bidirectionally); blocks never see each other. Queries arrive flattened in
-    (sequence, anchor, slot) order, `[B*A*gamma, H, D]`."""
-    B, A = anchors.shape
-    S = ctx_k[0].shape[1]
-    dev = anchors.device
-    # BEGIN STUDENT drafter training-mask
-    ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]           # [B, A, S]
-    blk = torch.arange(A, device=dev).repeat_interleave(gamma)
-    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)                              # [B, Ag, Ag]
-    mask = torch.cat([ctx_ok.repeat_interleave(gamma, 1), own], dim=2)[:, None]         # [B, 1, Ag, S+Ag]
-    # END STUDENT drafter
-
-    def attend(layer, q, k, v, scale):
-        def heads(t):  # [B*A*g, H, D] -> [B, H, A*g, D]
-            return t.view(B, A * gamma, t.shape[1], t.shape[2]).transpose(1, 2)
-        kk = torch.cat([ctx_k[layer].transpose(1, 2), heads(k)], dim=2)
-        vv = torch.cat([ctx_v[layer].transpose(1, 2), heads(v)], dim=2)
-        o = F.scaled_dot_product_attention(heads(q), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B * A * gamma, o.shape[1], o.shape[3])
-    return FunctionContext(attend)
-
-
-@dataclass
-class FunctionContext:
-    """An attention context around `fn(layer, q, k, v, scale)` (plain torch ops)."""
-    fn: object
-    ops: Ops = TORCH_OPS
-
-    def attend(self, attn, qkv, cos, sin):
-        q, k, v = attn.split_norm_rope(qkv, cos, sin)
-        return self.fn(attn.layer_idx, q, k, v, attn.scale)
-
-
-@dataclass
-class BlockPass:
-    """One teacher-forced drafter pass over anchors of a padded batch (all tensors [B, A, gamma, ...]).
-
-    logits: drafter logits (Markov bias added); p_target: the target's next-token distribution
-    at each slot's position; labels: the true next tokens; prev: the true token at each slot
-    (what the teacher-forced Markov head saw); valid: the slot's label lies inside its sequence;
-    h: the drafter's hidden states (for the confidence head).
-    """
-    logits: torch.Tensor
-    p_target: torch.Tensor
-    labels: torch.Tensor
-    prev: torch.Tensor
-    valid: torch.Tensor
-    h: torch.Tensor
-
-
-def block_pass(drafter: "Drafter", target, seqs: list[dict], gamma: int, n_anchors: int, device,
-               gen: torch.Generator) -> BlockPass:
-    """The teacher-forced pass that training (and any teacher-forced evaluation) is built on.
-
-    One target forward over the padded batch (each sequence = prompt + response, token lists),
-    then one drafter pass over `n_anchors` random anchors per sequence whose next token is a
-    response token: each anchor's block `[x_a, mask x (gamma-1)]` attends to the target features
-    before it (`training_attention`), and the Markov head sees the true previous tokens."""
-    cfg = drafter.config
-    B = len(seqs)
-    lens = torch.tensor([len(s["prompt"]) + len(s["response"]) for s in seqs])
-    S = int(lens.max())
-    ids = torch.zeros(B, S, dtype=torch.long)
-    anchors = torch.zeros(B, n_anchors, dtype=torch.long)
-    has = torch.zeros(B, n_anchors, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        ids[b, :lens[b]] = torch.tensor(s["prompt"] + s["response"])
-        cand = torch.arange(len(s["prompt"]) - 1, int(lens[b]) - 1)   # the next token is a response token
-        pick = cand[torch.randperm(len(cand), generator=gen)[:n_anchors]].sort().values
-        anchors[b, :len(pick)], has[b, :len(pick)] = pick, True
-    ids, anchors, has, lens = ids.to(device), anchors.to(device), has.to(device), lens.to(device)
-    flat_ids = ids.view(-1)
-    with torch.no_grad():  # padding sits after each sequence, so causal attention ignores it
-        out = target(flat_ids, torch.arange(S, device=device).repeat(B), DenseAttentionContext(B, S),
-                     capture_layers=tuple(cfg.target_layer_ids))
-    k = torch.arange(gamma, device=device)
-    row0 = (torch.arange(B, device=device) * S)[:, None, None]
-    pos = anchors[:, :, None] + k                                           # [B, A, g] slot positions
-    valid = has[:, :, None] & (pos + 1 < lens[:, None, None])              # label inside the sequence
-    rows = row0 + pos.clamp(max=S - 1)
-    labels = flat_ids[row0 + (pos + 1).clamp(max=S - 1)]
-    prev = flat_ids[rows]                                                   # teacher forcing: x_{a+k}
-    block = torch.full_like(pos, cfg.mask_token_id)
-    block[:, :, 0] = flat_ids[row0[:, :, 0] + anchors]
-    ctx = drafter.context_features([c.detach() for c in out.captured])
-    cos, sin = rope_cos_sin(torch.arange(S, device=device).repeat(B), cfg.head_dim, cfg.rope_theta, ctx.dtype)
-    kv = [layer.context_kv(ctx, cos, sin) for layer in drafter.layers]
-    attend = training_attention([kk.view(B, S, *kk.shape[1:]) for kk, _ in kv],
-                                [vv.view(B, S, *vv.shape[1:]) for _, vv in kv], anchors, gamma)
-    h = drafter.backbone(block.reshape(-1), pos.reshape(-1), attend).view(B, n_anchors, gamma, -1)
-    logits = drafter.lm_head(h).float() + (drafter.markov_bias(prev) if cfg.markov_rank else 0.0)
-    with torch.no_grad():
-        p_t = torch.softmax(target.compute_logits(out.hidden[rows.reshape(-1)]), -1).view(logits.shape)
-    return BlockPass(logits, p_t, labels, prev, valid, h)

@@ -41,27 +41,22 @@ import torch
 from torch.profiler import record_function
 
 from .batch import RunningBatch
-from .config import EngineConfig, pick_device, pick_dtype
+from .config import EngineConfig, pick_device
 from .detokenizer import commit_text
 from .device_state import StateWrites
 from .loader import Tokenizer
 from .paged_kv import BlockManager
-from .request import GenerationOutput, Request, RequestOutput, SpecStats, Status, StepOutputs
+from .request import Request, RequestOutput, Status, StepOutputs
 from .runner import Chunk
 from .sampling import SamplingParams, draw_seed
 from .scheduler import Drain, Schedule, Scheduler
 from .step import DecodeRows, StepPlan, StepResult
 from .worker import Worker
 
-# The request records and the scheduler live in request.py and scheduler.py; they are named here
-# too, so `from nanodspark.engine import Request` (or `Status`, `Scheduler`, ...) keeps working.
-__all__ = ["GenerationOutput", "LLMEngine", "PhaseClock", "Request", "RequestOutput", "Scheduler",
-           "SpecStats", "Status", "pick_device", "pick_dtype"]
-
 
 def auto_token_budget(device: torch.device) -> int:
     """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk runs eagerly and its
-    host launches cost the same at 2k or 8k tokens (09 §8c), so a prompt wave in fewer chunks is
+    host launches cost the same at 2k or 8k tokens (chapter 09), so a prompt wave in fewer chunks is
     cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
     return 8192 if device.type == "cuda" else 2048
 

@@ -1,65 +1,32 @@
 """EPLB: record expert load, place redundant experts, rebalance a running engine (walkthrough 12).
 
-The problem
-    With expert parallelism (EP) the experts of a MoE layer are spread over ranks (GPUs), and a
-    forward waits for the busiest rank. Routing is skewed (a few experts take a large share of
-    the tokens, and which ones depends on the traffic), so with one copy of each expert the
-    busiest rank can do several times the mean work. EPLB (DeepSeek-V3's "redundant experts";
-    the public algorithm of deepseek-ai/EPLB) gives a layer `num_physical >= num_logical`
-    expert *slots*, places replicas of hot experts in the extra slots, and packs the slots onto
-    ranks so that every rank gets about the same load.
+With expert parallelism (EP) a forward waits for the busiest rank, and routing is skewed. EPLB
+(DeepSeek-V3's "redundant experts"; deepseek-ai/EPLB, written here from its public description;
+the recorder and the move follow vLLM's and SGLang's designs) gives a layer `num_physical >=
+num_logical` expert *slots*, places replicas of hot experts in the extra slots, and packs the
+slots onto ranks so that every rank gets about the same load.
 
-The three parts of this file
-    1. The recorder (`LoadRecorder`). Every MoE layer adds the tokens routed to each physical
-       slot into `load[layer]` (`ReplicaMap`, which model.py `MoE.forward` calls), on the
-       device: no host sync, so it runs inside the captured decode graphs. Rows past
-       `cu_seqlens_q[-1]` (the padding of a graph tier) are not counted: they are computed,
-       but they are not traffic. Once per engine step, right after the engine enqueues its
-       forward and outside any graph (`ExpertBalancer.launched`), `advance()` moves the running
-       count into a ring buffer of the last `window` steps and zeroes it (in-place device ops,
-       no sync, ordered on the stream between this forward and the next). That is how step
-       boundaries are marked, at launch rather than at commit: the overlapped loop commits step
-       n after launching n+1, so each snapshot holds exactly one step in either loop.
-    2. The placement (`rebalance_experts`, pure functions on the host). Given a load
-       `weight[L, num_logical]`, it returns `phy2log[L, num_physical]` (the logical expert in
-       each slot, slots GPU-major: slot s lives on rank s // (num_physical / num_gpus)),
-       `log2phy[L, num_logical, max_count]` (the slots of each expert, -1 padded) and
-       `logcnt[L, num_logical]` (its replica count). The hierarchical policy runs three steps:
-         a. groups to nodes: sum the load of each expert group (group-limited routing) and pack
-            whole groups onto nodes, every node the same number of groups;
-         b. replicate inside each node: every node has num_physical / num_nodes slots; start
-            with one replica per expert, give each extra slot to the expert whose load per
-            replica (load / replicas) is largest;
-         c. pack replicas onto the node's GPUs: items of weight load / replicas, largest first,
-            each into the lightest GPU that still has a free slot.
-       The global policy is the same routine with one group and one node. `policy="auto"`
-       follows the public rule: hierarchical when num_groups % num_nodes == 0, else global.
-       Two replicas of one expert can land on the same GPU (step c packs replicas as
-       independent items; the README's loads with the global policy do it). That is allowed,
-       and harmless for correctness: the GPU then runs that expert's tokens in two slots, no
-       faster than in one, so the slot is wasted. `stats()` counts such pairs
-       (`colocated_replicas`); we keep the public algorithm's choice rather than post-process.
-    3. The move (`ExpertBalancer`, an observer of the engine). Every `eplb_interval` steps it
-       folds the window to logical load, computes a placement, and, between two steps, moves
-       the weights: for each slot whose expert changes, the rows are gathered from a slot that
-       holds that expert now into a staging buffer, then copied into place (`index_copy_` on
-       the parameter itself, so its storage, which the CUDA graphs hold, never changes); then
-       the maps are overwritten in place. Everything is queued on the stream behind the step
-       in flight, so that step finishes on the old placement and the next one starts on the
-       new one; no request is paused for longer than the move.
+The three parts of this file (chapter 12 walks through each)
+    1. The recorder (`LoadRecorder`): every MoE layer adds the tokens routed to each physical
+       slot into `load[layer]` on the device (inside captured graphs; padding rows not counted);
+       `advance()`, once per step at launch, moves it into a ring of the last `window` steps.
+    2. The placement (`rebalance_experts`, pure host functions): load `weight[L, num_logical]`
+       -> `phy2log[L, num_physical]` (slots GPU-major), `log2phy[L, num_logical, max_count]`
+       (-1 padded) and `logcnt`. Hierarchical: pack expert groups onto nodes, give each node's
+       extra slots to the expert with the largest load per replica, pack replicas onto the
+       node's GPUs (largest first, lightest GPU with room); global: one group, one node. Two
+       replicas may share a GPU (the public algorithm's choice): `colocated_replicas` counts them.
+    3. The move (`ExpertBalancer`, an engine observer): every `eplb_interval` steps, between
+       two steps, it copies the changed slots' rows into the parameters in place (`index_copy_`:
+       the storage graphs hold never changes) and overwrites the maps in place.
 
-Routing to replicas (`ReplicaMap`, one Triton launch per layer on CUDA: kernels/replicas.py):
-token row t of a forward sends its pair with logical expert e to replica `(t + step) mod
-logcnt[e]` of e, slot `log2phy[e, that replica]`, where `step` is a device counter advanced
-once per engine step. The rule is deterministic, spreads a batch's tokens evenly over the
-replicas, and, because `step` moves, also spreads a batch of one token over the steps.
+Routing to replicas (`ReplicaMap`; kernels/replicas.py on CUDA): token row t sends its pair
+with logical expert e to replica `(t + step) mod logcnt[e]`, slot `log2phy[e, that replica]`;
+`step` is a device counter advanced once per engine step.
 
-Balancedness (`balance_stats`): per layer, `mean_r(load_r) / max_r(load_r)` over the ranks r
-(1.0 = perfect), then the mean over layers (the ratio first, then the average: vLLM's first
-version summed means and maxes over layers before dividing, reference/components.md §1.5). The
-straggler factor is its inverse, max / mean. The modelled MoE step time is `sum_l max_r load`
-against the ideal `sum_l mean_r load`. EP ranks are simulated on one device: rank r owns the
-slots `[r * S, (r + 1) * S)`, `S = num_physical / ep_size`.
+Balancedness (`balance_stats`): per layer `mean_r(load_r) / max_r(load_r)` over the ranks r,
+then the mean over layers. EP ranks are simulated on one device: rank r owns the slots
+`[r * S, (r + 1) * S)`, `S = num_physical / ep_size`.
 
 Invariants
     * every logical expert has at least one replica; every rank has exactly num_physical /
@@ -70,10 +37,6 @@ Invariants
       `step`, `load`): a captured graph stays valid across rebalances;
     * the window only ever holds counts of the current placement (it is cleared by a
       rebalance), so folding it through the current `phy2log` is exact.
-
-Reference: DeepSeek-V3 technical report (redundant experts for inference); deepseek-ai/EPLB
-(README and eplb.py), written here from its description in reference/components.md §1.2; the
-recorder and the move follow the designs of vLLM and SGLang described in §1.3-1.4.
 """
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", layout=None, tp=None) -> CausalLM:
-    """The whole model; with a `sharding.Layout`, this rank's shard (`load_sharded`)."""
+    """The whole model; with a `sharding.ShardLayout`, this rank's shard (`load_sharded`)."""
     model_dir = resolve_model_dir(path)
     if layout is not None:
         return load_sharded(model_dir, layout, tp, dtype, device)

@@ -404,10 +404,10 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: dict[str, int], block_size: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.block_size = block_size
-        self.layout = kv_groups(cfg)
+        self.groups = kv_groups(cfg)                # group name -> its layer ids
         self.group_of: dict[int, tuple[str, int]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
-        for g, layers in self.layout.items():
+        for g, layers in self.groups.items():
             for j, i in enumerate(layers):
                 self.group_of[i] = (g, j)
             self.tensors[g] = torch.zeros(len(layers), 2, num_blocks[g], block_size,
@@ -427,7 +427,7 @@ class KVCache:
 class GroupMeta:
     """Per-KV-group addressing of one forward."""
     block_tables: torch.Tensor          # int32 [B, max_blocks]
-    slot_mapping: torch.Tensor          # int64 [T]; -1 = do not store (already cached)
+    cache_index: torch.Tensor           # int64 [T]: where each row's K/V goes; -1 = do not store
     kv_lens: torch.Tensor               # int32 [B], cached tokens including this forward's
     kv_start: torch.Tensor | None = None  # int32 [B], first position attention may read
 
@@ -439,8 +439,8 @@ class Ops:
     without a host sync (kernels/moe.py) and attends with kernels/paged_attention.py."""
     name: str
     add_rmsnorm: Callable        # (x, residual | None, norm: RMSNorm) -> (norm(x + residual), x + residual)
-    norm_rope_store: Callable    # (attn, qkv, cos, sin, k_cache, v_cache, slots) -> q, K/V stored
-    kv_norm_rope_store: Callable  # (attn, x, cos, sin, k_cache, v_cache, slots): K/V of x only (no q)
+    norm_rope_store: Callable    # (attn, qkv, cos, sin, k_cache, v_cache, cache_index) -> q, K/V stored
+    kv_norm_rope_store: Callable  # (attn, x, cos, sin, k_cache, v_cache, cache_index): K/V of x only (no q)
     paged_attention: Callable    # kernels.paged_attention's contract
     silu_mul: Callable           # gate_up [T, 2I] -> silu(gate) * up
     experts: Callable            # (x, ids, weights, w_gate, w_up, w_down) -> [T, H]
@@ -454,21 +454,21 @@ def _torch_add_rmsnorm(x, residual, norm: RMSNorm):
     return norm(x), x
 
 
-def _torch_norm_rope_store(attn: Attention, qkv, cos, sin, k_cache, v_cache, slots):
+def _torch_norm_rope_store(attn: Attention, qkv, cos, sin, k_cache, v_cache, cache_index):
     from kernels.reference import store_kv_ref
     q, k, v = attn.split_norm_rope(qkv, cos, sin)
-    store_kv_ref(k, v, k_cache, v_cache, slots)
+    store_kv_ref(k, v, k_cache, v_cache, cache_index)
     return q
 
 
-def _torch_kv_norm_rope_store(attn: Attention, x, cos, sin, k_cache, v_cache, slots):
+def _torch_kv_norm_rope_store(attn: Attention, x, cos, sin, k_cache, v_cache, cache_index):
     from kernels.reference import store_kv_ref
     T, D = x.shape[0], attn.head_dim
     k = attn.k_proj(x).view(T, attn.n_kv, D)
     v = attn.v_proj(x).view(T, attn.n_kv, D)
     if attn.k_norm is not None:
         k = attn.k_norm(k)
-    store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, slots)
+    store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, cache_index)
 
 
 def _torch_silu_mul(gate_up):
@@ -498,13 +498,13 @@ def triton_ops(batch_invariant: bool = False) -> Ops:
         from kernels import batch_invariant as bi
         name, linear, experts, paged_attention = "triton-bi", bi.linear, bi.experts, bi.attention
 
-    def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, slots):
+    def norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, cache_index):
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
         eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-        return qk_norm_rope_store(qkv, qn, kn, eps, cos, sin, k_cache, v_cache, slots,
+        return qk_norm_rope_store(qkv, qn, kn, eps, cos, sin, k_cache, v_cache, cache_index,
                                   attn.n_heads, attn.n_kv, attn.head_dim)
 
-    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
+    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, cache_index):
         D = attn.n_heads * attn.head_dim
         if attn.qkv_weight is not None:    # the k and v rows of the fused weight: one GEMM
             kv = linear(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
@@ -512,7 +512,7 @@ def triton_ops(batch_invariant: bool = False) -> Ops:
             kv = torch.cat([attn.k_proj(x), attn.v_proj(x)], dim=-1)
         kn = attn.k_norm.weight if attn.k_norm is not None else None
         eps = attn.k_norm.eps if attn.k_norm is not None else 0.0
-        qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, slots, 0, attn.n_kv, attn.head_dim)
+        qk_norm_rope_store(kv, kn, kn, eps, cos, sin, k_cache, v_cache, cache_index, 0, attn.n_kv, attn.head_dim)
 
     return Ops(name, lambda x, r, norm: add_rmsnorm(x, r, norm.weight, norm.eps), norm_rope_store,
                kv_norm_rope_store, paged_attention, silu_mul, experts, linear, route_topk)
@@ -525,14 +525,14 @@ def torch_bi_ops() -> Ops:
     TORCH_OPS' (their reductions are over one row already)."""
     from kernels import batch_invariant as bi
 
-    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, slots):
+    def kv_norm_rope_store(attn, x, cos, sin, k_cache, v_cache, cache_index):
         from kernels.reference import store_kv_ref
         D, T = attn.n_heads * attn.head_dim, x.shape[0]
         kv = bi.linear_ref(x, attn.qkv_weight[D:], None if attn.qkv_bias is None else attn.qkv_bias[D:])
         k, v = kv.view(T, 2 * attn.n_kv, attn.head_dim).split(attn.n_kv, dim=1)
         if attn.k_norm is not None:
             k = attn.k_norm(k)
-        store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, slots)
+        store_kv_ref(apply_rope(k, cos, sin), v, k_cache, v_cache, cache_index)
 
     return Ops("torch-bi", _torch_add_rmsnorm, _torch_norm_rope_store, kv_norm_rope_store, bi.attention_ref,
                _torch_silu_mul, bi.experts_ref, bi.linear_ref, bi.route_topk_ref)
@@ -563,7 +563,7 @@ class PagedAttentionContext:
     def attend(self, attn: Attention, qkv, cos, sin) -> torch.Tensor:
         g, k_cache, v_cache = self.kv_cache.layer(attn.layer_idx)
         meta = self.groups[g]
-        q = self.ops.norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        q = self.ops.norm_rope_store(attn, qkv, cos, sin, k_cache, v_cache, meta.cache_index)
         kw = {} if self.causal else {"causal": False}
         return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, self.cu_seqlens_q, meta.kv_lens,
                                         scale=attn.scale, sliding_window=attn.window, kv_start=meta.kv_start,

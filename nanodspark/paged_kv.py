@@ -1,14 +1,16 @@
 """Paged KV cache bookkeeping: block pool, block tables, prefix cache (walkthrough/02_paged_kv.md).
 
-This file implements the paged KV chapter. It owns no tensors: it decides *where* every token's
-K/V lives, and the kernels (`kernels/store_kv.py`, `kernels/paged_attention.py`) move the data.
+This file implements the paged KV chapter. It decides *where* every token's K/V lives: the host
+bookkeeping owns no tensors, `row_cache_index` / `table_cache_index` turn device block tables
+into cache indices for a forward, and the kernels (`kernels/store_kv.py`,
+`kernels/paged_attention.py`) move the data.
 
 The idea
 --------
 The KV cache of one KV group is a pool of `num_blocks` fixed-size blocks of `block_size` token
-slots. A request does not get one contiguous region; it gets a *block table*: a list of physical
-block ids, where logical block `i` holds token positions `[i*bs, (i+1)*bs)`. So token position
-`p` lives in slot `blocks[p // bs] * bs + p % bs`. Memory is reserved one block at a time, no
+entries. A request does not get one contiguous region; it gets a *block table*: a list of
+physical block ids, where logical block `i` holds token positions `[i*bs, (i+1)*bs)`. So token
+position `p` lives at cache index `blocks[p // bs] * bs + p % bs`. Memory is reserved one block at a time, no
 request fragments the pool, and two requests can point at the same physical block.
 
 Sharing is what the prefix cache does. When a block is full of *committed* tokens we publish it
@@ -39,6 +41,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import torch
+
 _ROOT_HASH = 0  # parent hash of block 0
 
 
@@ -50,7 +54,7 @@ class NoFreeBlocks(RuntimeError):
 class BlockTable:
     """One request's table in one KV group."""
     blocks: list[int] = field(default_factory=list)  # physical block ids; -1 = released
-    num_tokens: int = 0          # positions with reserved slots (may include speculative ones)
+    num_tokens: int = 0          # positions with reserved cache entries (may include speculative ones)
     num_cached_tokens: int = 0   # prefix-cache hit length at allocation (multiple of block_size)
     num_hashed_blocks: int = 0   # leading full blocks already published in the prefix cache
     last_hash: int = _ROOT_HASH  # chain hash of block num_hashed_blocks - 1 (the next's parent)
@@ -179,7 +183,7 @@ class BlockManager:
         caller that passes only the tokens from `published_tokens(table)` on pays for the new
         tokens, not for the whole request, every step."""
         assert start + len(token_ids) <= table.num_tokens, (
-            f"committing tokens without reserved slots: positions {start}..{start + len(token_ids)} "
+            f"committing tokens without reserved cache entries: positions {start}..{start + len(token_ids)} "
             f"of a table reserved for {table.num_tokens} ({table.num_hashed_blocks} blocks published)")
         # BEGIN STUDENT paged-kv commit
         if not self.enable_prefix_cache:
@@ -204,7 +208,7 @@ class BlockManager:
 
     # ---- growing, rolling back, releasing ---------------------------------------------------
     def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:
-        """Reserve slots for positions < num_tokens (decode, speculative windows)."""
+        """Reserve cache entries for positions < num_tokens (decode, speculative windows)."""
         # BEGIN STUDENT paged-kv ensure-capacity
         if num_tokens <= table.num_tokens:
             return
@@ -255,17 +259,17 @@ class BlockManager:
         table.num_cached_tokens, table.num_hashed_blocks, table.last_hash = 0, 0, _ROOT_HASH
         # END STUDENT paged-kv
 
-    # ---- slots ------------------------------------------------------------------------------
-    def slot(self, table: BlockTable, pos: int) -> int:
-        """Flat slot of token position pos; -1 if its block was released."""
-        # BEGIN STUDENT paged-kv slot
-        assert 0 <= pos < table.num_tokens, f"position {pos} has no reserved slot"
+    # ---- cache indices ----------------------------------------------------------------------
+    def cache_index(self, table: BlockTable, pos: int) -> int:
+        """Flat cache index of token position pos; -1 if its block was released."""
+        # BEGIN STUDENT paged-kv cache-index
+        assert 0 <= pos < table.num_tokens, f"position {pos} has no reserved cache entry"
         b = table.blocks[pos // self.block_size]
         return -1 if b == -1 else b * self.block_size + pos % self.block_size
         # END STUDENT paged-kv
 
-    def slot_mapping(self, table: BlockTable, start: int, end: int) -> list[int]:
-        return [self.slot(table, p) for p in range(start, end)]
+    def cache_indices(self, table: BlockTable, start: int, end: int) -> list[int]:
+        return [self.cache_index(table, p) for p in range(start, end)]
 
     # ---- checking ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[BlockTable]) -> None:
@@ -293,3 +297,22 @@ class BlockManager:
             assert h is None or (self.cache.get(h) == b and chain_hash(*self.block_key[b]) == h)
             assert h is None or len(self.block_key[b][1]) == bs
         assert len(self.cache) == sum(h is not None for h in self.block_hash)
+
+
+# ----------------------------------------------------------------------------- on the device
+# A forward addresses the cache through the device copies of the tables (device_state.py), with
+# no host sync: these are `BlockManager.cache_index` for many positions at once.
+def table_cache_index(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache index of each position of each request: block_tables int32 [R, W], positions
+    [R, n] -> int64 [R, n]; -1 where the table has no block (a padding row)."""
+    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
+    blk = block_tables.gather(1, col).long()
+    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)
+
+
+def row_cache_index(block_tables: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """Cache index of each packed row: block_tables [R, W], row_req [T] (its request), positions [T]."""
+    col = (positions // block_size).clamp(0, block_tables.shape[1] - 1)
+    blk = block_tables[row_req, col].long()
+    return torch.where(blk >= 0, blk * block_size + positions % block_size, -1)

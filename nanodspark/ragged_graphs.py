@@ -3,7 +3,7 @@
 Why graphs. A decode step of a small model launches hundreds of tiny kernels; launched one by
 one from Python, the host takes ~10x longer than the GPU work, and the step costs the same
 whatever its tokens. A CUDA graph records the launches of one step once and replays them with
-one call, so a step then costs what its kernels cost (DSpark §6.4; vLLM / SGLang graph runners).
+one call, so a step then costs what its kernels cost (DSpark section 6.4; vLLM / SGLang graph runners).
 
 What a graph needs. Every tensor it reads must live at a fixed address with a fixed shape, and
 nothing inside may read a device value on the host. So:
@@ -13,10 +13,10 @@ nothing inside may read a device value on the host. So:
   (anchors included) replays the smallest captured tier with slots >= R and tokens >= N; the
   extra request rows are padding (the scratch slot, no rows), the extra token rows belong to no
   request and store nothing (`pack_rows`). Keying on *both* numbers is what keeps the metadata
-  geometry fixed (SGLang's crash when one token tier meant two slot layouts,
-  reference/components.md §5.2). Static and plain decoding need one token tier per slot count
-  (`slots * (1 + gamma)`); a trimming verify mode adds smaller token tiers
-  (`graph_token_fractions`), so a trimmed step replays a genuinely smaller graph.
+  geometry fixed (SGLang's crash when one token tier meant two slot layouts). Static and plain
+  decoding need one token tier per slot count (`slots * (1 + gamma)`); a trimming verify mode
+  adds smaller token tiers (`graph_token_fractions`), so a trimmed step replays a genuinely
+  smaller graph.
 * **Static inputs.** One flat int64 buffer holds every input of every tier (slots, valid,
   window caps, budget, trim flag); a step writes it with one host-to-device copy.
   Everything else a step reads is the device state (device_state.py), also at fixed addresses.
@@ -47,7 +47,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 @dataclass
-class Layout:
+class RowLayout:
     """The packed ragged layout of one verify batch (device tensors)."""
     cu_seqlens: torch.Tensor   # int32 [R + 1]: request r owns rows cu[r]:cu[r+1]
     row_req: torch.Tensor      # int64 [T]: the request of each row (padding rows: the last request)
@@ -55,7 +55,7 @@ class Layout:
     row_valid: torch.Tensor    # bool [T]: False for the padding rows past cu[R]
 
 
-def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
+def pack_rows(rows: torch.Tensor, tokens: int) -> RowLayout:
     """Lay R requests' `rows` [R] (int64, sum <= tokens) out in `tokens` packed rows, on the
     device with no host sync. Example: rows [2, 1, 4], tokens 8 -> cu [0, 2, 3, 7], row_req
     [0, 0, 1, 2, 2, 2, 2, 2], row_off [0, 1, 0, 0, 1, 2, 3, 0], the last row padding."""
@@ -67,7 +67,7 @@ def pack_rows(rows: torch.Tensor, tokens: int) -> Layout:
     row_req = torch.searchsorted(cu[1:], t, right=True).clamp(max=R - 1)
     valid = t < cu[-1]
     row_off = torch.where(valid, t - cu[row_req], 0)
-    return Layout(cu.to(torch.int32), row_req, row_off, valid)
+    return RowLayout(cu.to(torch.int32), row_req, row_off, valid)
     # END STUDENT ragged-graphs
 
 

@@ -21,7 +21,7 @@ the host's `num_computed` and `output_ids` are one step old, the device knows be
 Invariants: `num_computed <= num_tokens`; a request is decoding when only its last token lacks
 KV, or when its prompt is computed and its first token is in flight (`is_decoding`);
 `text == decode(output_ids[:detok_read])` up to a stop string; a finished request holds no block
-tables and no slot; the counters of `SpecStats` only grow. Walkthrough chapter 01 §4.
+tables and no slot; the counters of `SpecStats` only grow. Walkthrough chapter 01.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the host. Decode and verify rows never come here: they are built on the device
 (speculative.py, ragged_graphs.py).
 
 Invariants: the KV of positions `< chunk.start` is already in the cache (or, for SWA replay
-rows, in the full-attention group only); a chunk's slots were reserved by the scheduler before
+rows, in the full-attention group only); a chunk's cache entries were reserved by the scheduler before
 the forward (checked here: a row past the reservation would write into another request's
 block); rows below `chunk.replay_until` do not store into the prefix-cached `full` group, nor
 into the drafter's context (both already hold them).
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from .device_state import DeviceState, h2d
-from .drafter import Drafter, row_slots
+from .drafter import Drafter
 from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
+from .paged_kv import row_cache_index
 from .sampling import STREAM_TARGET, sample_from_probs, probs_from_logits
 
 
@@ -35,7 +36,7 @@ class Chunk:
     token_ids: list[int]
     sample: bool = False               # the chunk ends the request's tokens: sample the next one
     replay_until: int = 0              # SWA replay: rows before this position skip the full group
-    reserved: int | None = None        # slots reserved in the request's tables (checked)
+    reserved: int | None = None        # positions reserved in the request's tables (checked)
 
 
 class ModelRunner:
@@ -66,18 +67,18 @@ class ModelRunner:
         slots_d = h2d([c.slot for c in chunks], torch.long, dev)
         kv_lens = h2d([c.start + len(c.token_ids) for c in chunks], torch.int32, dev)
         groups = {}
-        for name in self.kv_cache.layout:
+        for name in self.kv_cache.groups:
             bt = st.tables[name][slots_d]
-            slot = row_slots(bt, req_d, pos_d, self.block_size)
+            kv_index = row_cache_index(bt, req_d, pos_d, self.block_size)
             if name == "full":
-                slot = torch.where(skip_d, -1, slot)
-            groups[name] = GroupMeta(bt, slot, kv_lens, st.kv_start[slots_d] if name == "sliding" else None)
+                kv_index = torch.where(skip_d, -1, kv_index)
+            groups[name] = GroupMeta(bt, kv_index, kv_lens, st.kv_start[slots_d] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, h2d(cu, torch.int32, dev), max(len(c.token_ids) for c in chunks),
                                     groups, self.ops, tp=self.tp)
         out = self.model(ids_d, pos_d, ctx, self.capture)
         if self.drafter is not None:
-            slot = row_slots(st.tables["draft"][slots_d], req_d, pos_d, self.block_size)
-            self.drafter.inject(out.captured, pos_d, torch.where(skip_d, -1, slot), self.draft_cache, self.ops)
+            kv_index = row_cache_index(st.tables["draft"][slots_d], req_d, pos_d, self.block_size)
+            self.drafter.inject(out.captured, pos_d, torch.where(skip_d, -1, kv_index), self.draft_cache, self.ops)
         last = [cu[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
         if not last:
             return torch.zeros(0, dtype=torch.long, device=dev)

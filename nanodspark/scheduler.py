@@ -15,7 +15,7 @@ frees the oldest snapshot and tries again, before anything is preempted.
 
 Block bookkeeping over all KV groups is atomic: `_allocate` and `_grow` either succeed in every
 group or undo what they did and raise `NoFreeBlocks`. An admitted request also gets a slot of
-the device state (`SlotPool`), given back when it is freed or preempted.
+the running batch (`RunningBatch.attach`), given back when it is freed or preempted.
 
 A request with a step in flight (engine.py `step`) reserves KV for that step *and* the next:
 the host does not know yet how far the one in flight will go. It cannot be preempted until
@@ -26,7 +26,7 @@ slot in every group (a decoding request reserves its whole verify window, also w
 admitted decoding after a full prefix hit); a request is in exactly one of `waiting` and
 `running` until it finishes; a request sent back to the queue holds no blocks; `running` never
 holds more than `max_num_seqs` requests; a snapshot's blocks are in no request's table.
-Walkthrough chapter 01 §4 (batching and preemption), chapter 02 (blocks, prefix hits) and
+Walkthrough chapter 01 (batching and preemption), chapter 02 (blocks, prefix hits) and
 chapter 13 (SWA replay and snapshots).
 """
 from __future__ import annotations

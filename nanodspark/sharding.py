@@ -1,6 +1,6 @@
 """What each tensor-parallel rank holds of the target, and the layers that communicate.
 
-What is split (rank r of N tensor-parallel ranks; `Layout` computes every range)
+What is split (rank r of N tensor-parallel ranks; `ShardLayout` computes every range)
     * **Attention**: the query heads, H/N per rank; q/k/v_proj are column-parallel (each rank
       holds the rows of its heads), o_proj is row-parallel (the columns of its heads). KV heads
       split the same way, or, when there are fewer KV heads than ranks, each rank keeps the one
@@ -31,7 +31,7 @@ Where the collectives are (per forward of the target, L layers)
       all-reduce as a dense MLP. An all-to-all only pays when ranks hold different tokens
       (data-parallel attention), which this engine does not do.
 
-Pure arithmetic and modules, no process group: the loader shards with `Layout` and `shard_model`
+Pure arithmetic and modules, no process group: the loader shards with `ShardLayout` and `shard_model`
 (`plan_reads` says which slice of each checkpoint tensor a rank reads); the process group that
 runs the ranks is distributed.py. Walkthrough chapter 14.
 """
@@ -50,7 +50,7 @@ from .config import ModelConfig
 
 # ----------------------------------------------------------------------------- what each rank holds
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """Which slice of the target rank `rank` of `size` holds; pure arithmetic, no process group
     (the loader shards with it, and the loader test uses it in one process)."""
     rank: int = 0
@@ -111,7 +111,7 @@ class Layout:
         return (self.rank // self.moe_tp) * ne, ne, (self.rank % self.moe_tp) * ni, ni
 
 
-def local_config(cfg: ModelConfig, layout: Layout) -> ModelConfig:
+def local_config(cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
     """The config as one rank's attention sees it (its q and kv heads): what sizes its KV cache."""
     _, nq, _, nkv = layout.heads(cfg)
     return dataclasses.replace(cfg, num_attention_heads=nq, num_key_value_heads=nkv)
@@ -222,7 +222,7 @@ def _linear(inp: int, out: int, bias: bool) -> nn.Linear:
     return nn.Linear(inp, out, bias=bias)
 
 
-def shard_model(model: nn.Module, layout: Layout, tp: TPGroup | None = None) -> None:
+def shard_model(model: nn.Module, layout: ShardLayout, tp: TPGroup | None = None) -> None:
     """Give a freshly built `CausalLM` (on the meta device) this rank's local shapes: smaller
     Linear and Experts modules, local head counts, vocab-parallel embedding and LM head, the
     expert shard of each MoE layer. Weights are filled afterwards (`plan_reads`, loader.py)."""
@@ -256,7 +256,7 @@ _LAYER = r"^model\.layers\.(\d+)\."
 _EXPERT = re.compile(_LAYER + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def plan_reads(cfg: ModelConfig, layout: Layout, keys: list[str], local: set[str]) -> dict[str, Read | None]:
+def plan_reads(cfg: ModelConfig, layout: ShardLayout, keys: list[str], local: set[str]) -> dict[str, Read | None]:
     """For each checkpoint key: what this rank reads of it (None: another rank's, skipped).
     `local` are the names of the local model's parameters; a key that no rule knows and that the
     local model does not have is left out (the loader reports it as unexpected)."""

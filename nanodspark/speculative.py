@@ -1,4 +1,4 @@
-"""The decode step on the device: draft -> choose windows -> verify -> accept (paper §3, Fig. 1).
+"""The decode step on the device: draft -> choose windows -> verify -> accept (paper section 3, Fig. 1).
 
 One call of `SpecStep` advances every decoding request of a batch by one verify step, without
 the host: the anchors and positions come from the device state (device_state.py), the drafter
@@ -17,7 +17,7 @@ reached the host (engine.py `step`).
 Invariants: a request's `seq_len` advances by exactly the rows whose KV is now valid (anchor +
 accepted drafts); the drafter's context covers exactly the committed positions; a window never
 lets a request run past its limit (`limit_len`: max_tokens or max_model_len); a padding row
-(invalid slot, or a request already at its limit) computes nothing that is kept.
+(the scratch slot, or a request already at its limit) computes nothing that is kept.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import torch
 
 from .cost_scheduler import choose_windows
 from .device_state import DeviceState
-from .drafter import Drafter, row_slots
+from .drafter import Drafter
 from .model import CausalLM, GroupMeta, KVCache, Ops, PagedAttentionContext
+from .paged_kv import row_cache_index
 from .ragged_graphs import pack_rows
 from .sampling import STREAM_DRAFT, STREAM_TARGET
 from .verify import VerifyMode, verify_batch
@@ -129,10 +130,10 @@ class SpecStep:
         pos = anchor_pos[lay.row_req] + lay.row_off
         kv_lens = (anchor_pos + rows).to(torch.int32)
         groups = {}
-        for name in self.kv_cache.layout:
+        for name in self.kv_cache.groups:
             bt = st.tables[name][b.slots]
-            slot = row_slots(bt, lay.row_req, pos, self.block_size)
-            groups[name] = GroupMeta(bt, torch.where(lay.row_valid, slot, -1), kv_lens,
+            kv_index = row_cache_index(bt, lay.row_req, pos, self.block_size)
+            groups[name] = GroupMeta(bt, torch.where(lay.row_valid, kv_index, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
@@ -150,6 +151,6 @@ class SpecStep:
         st.seq_len[b.slots] = anchor_pos + count
         if self.drafter is not None:     # context K/V of the committed positions
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
-            slot = row_slots(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
-            self.drafter.inject(out.captured, pos, torch.where(committed, slot, -1), self.draft_cache, self.ops)
+            kv_index = row_cache_index(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
+            self.drafter.inject(out.captured, pos, torch.where(committed, kv_index, -1), self.draft_cache, self.ops)
         return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, conf, conf_logits)

@@ -1,55 +1,32 @@
 """SWA replay and SWA snapshots: what a prefix-cache hit on a hybrid model still recomputes.
 
-The idea (DeepSeek-V4.1's "SWA bounded replay"; YOCO-style hybrids, Sun et al. 2024; what is
-public about both: ../shared/reference/components.md §2.3-2.6; walkthrough chapter 13).
-Full-attention layers keep paged, prefix-cacheable KV; sliding-window layers need only the KV
-of the last `W` positions, which is *not* prefix cached (it depends on every token before it
-through the layers below, like all KV, but nothing keeps it once the request is gone). After a
-hit of `hit` tokens the full layers have everything and the sliding layers have nothing. There
-are two ways back:
+The idea (DeepSeek-V4.1's "SWA bounded replay"; YOCO-style hybrids, Sun et al. 2024;
+walkthrough chapter 13, which derives the lengths and measures the drift). Full-attention
+layers keep paged, prefix-cacheable KV; sliding-window layers need only the KV of the last `W`
+positions, which is *not* prefix cached. After a hit of `hit` tokens the full layers have
+everything and the sliding layers have nothing. Two ways back:
 
 **Replay.** Recompute the last `R` tokens of the hit through the whole model. Those rows store
-nothing into the prefix-cached groups (their KV is already there, shared) and sliding attention
-reads no position below the replay start (`kv_start`). How long must `R` be? The sliding KV of
-layer l at position q is a projection of layer l's input at q. Inputs of the lowest sliding
-layer are exact at every replay row (only full layers sit below it, and they see the whole
-cached prefix). Each further sliding layer loses exactness on the first `W - 1` replay rows,
-because those rows saw a truncated window. The next token needs sliding KV at positions
-`> hit - W`, in all `N` sliding layers, hence
+nothing into the prefix-cached groups and sliding attention reads no position below the replay
+start (`kv_start`). Each sliding layer above the lowest loses exactness on the first `W - 1`
+replay rows, and the next token needs sliding KV at positions `> hit - W` in all `N` of them:
 
     exact:    R = N * (W - 1)    the same logits as a cold prefill, up to kernel order
     bounded:  R = W + look_back  an approximation: the upper sliding layers start from a
                                  truncated window (DeepInfer / V4.1: 140 = 128 + 12)
 
-Where a bounded replay's error goes: sliding layer k is exact from `start + (k - 1) * (W - 1)`
-on, so the logits at position q are exact once `q - start >= N * (W - 1) - 1`. A follow-up whose
-new part is long enough is therefore unaffected; a short one reads approximate KV for its first
-token and for the decode steps until the frontier passes that point. The rows after the hit
-store their KV and the drafter's features as usual: with the full layers all below the sliding
-ones (the default model's layout) the full KV stays exact, but the drafter's context (it reads
-sliding layers' features) and, in an interleaved layout, the full KV keep some of the error.
+`look_back = (1 + gamma) * windows` (windows = 1, or 2 with the overlapped step) is what the
+engine may write past a request's committed frontier and take back; a ring of sliding KV must
+hold `W + look_back` entries, and the bounded suffix is that ring's content. No setting replays
+more than the exact length.
 
-The look-back is what the engine may write past a request's committed frontier and then take
-back: a verify window is the anchor + gamma drafts (`1 + gamma` rows), and with the overlapped
-step (engine.py) a second window is launched before the first is read, so
-`look_back = (1 + gamma) * windows`, windows = 1 or 2 (`Scheduler.reservation` reserves that). An
-engine that keeps sliding KV in a ring of slots must hold `W + look_back` of them, or a rejected
-draft overwrites a key the next query still reads; the bounded suffix is that ring's content.
-DeepInfer's 12 is `(1 + 5) * 2` with its default of 5 draft tokens and async scheduling (our
-reading: its README names only "the maximum backtracking length"); the default pair here has
-gamma = 5 too, so `auto` gives 140 with the overlapped loop (CUDA) and 134 with the synchronous
-one. No setting replays more than the exact length.
-
-**Snapshot.** When a finished request's sliding-window KV is still in memory, a follow-up that
-extends it needs no replay at all: `SnapshotPool` keeps, for a finished request, the sliding
-blocks that hold positions `[end - W + 1, end)`, where `end` is the prefix its full-attention
-blocks publish, keyed by that prefix's chain hash (paged_kv.py). A new prompt whose prefix hit
-ends at the same hash starts at `end` with those blocks in its sliding table: exact, like a cold
-prefill up to kernel order, and it computes only the tokens after `end` (the new ones and at
-most `block_size - 1` of the old). The pool is bounded (`EngineConfig.swa_snapshots` entries;
-when full, the oldest goes), a snapshot unused for `swa_snapshot_ttl_s` seconds is dropped, and
-under KV pressure snapshots give their blocks back before any running request is preempted.
-A follow-up that finds no snapshot falls back to the configured replay.
+**Snapshot.** `SnapshotPool` keeps, for a finished request, the sliding blocks that hold
+positions `[end - W + 1, end)`, where `end` is the prefix its full-attention blocks publish,
+keyed by that prefix's chain hash (paged_kv.py). A follow-up whose prefix hit ends at the same
+hash starts at `end` with those blocks in its sliding table: exact, and no replay. The pool is
+bounded (`EngineConfig.swa_snapshots`, oldest out first; `swa_snapshot_ttl_s`), and under KV
+pressure snapshots give their blocks back before any running request is preempted. Without a
+snapshot a follow-up falls back to the configured replay.
 
 Invariants: a snapshot's blocks are held by it alone (ref count 1, unpublished), until a
 follow-up takes them (they move into its table) or the pool frees them; `tables()` lists them,

@@ -1,4 +1,4 @@
-"""Lossless verification of a draft block (paper §2.1, §6; speculative sampling).
+"""Lossless verification of a draft block (paper sections 2.1 and 6; speculative sampling).
 
 The target scores `[anchor, d_1 .. d_w]` in one forward, giving its distributions
 `P_0 .. P_w` (row j predicts the token after row j). Drafts are accepted left to right:

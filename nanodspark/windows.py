@@ -11,7 +11,7 @@ learns from results is also an observer: `observe` sees each step's applied rows
 * `ForcedWindows`: windows chosen by a function of the requests (tests and the step-cost
   profile; never built by the engine itself).
 
-Invariant: no policy reads the drafts of the step it plans (the budget's lag, paper §5.2).
+Invariant: no policy reads the drafts of the step it plans (the budget's lag, paper section 5.2).
 """
 from __future__ import annotations
 

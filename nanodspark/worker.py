@@ -68,7 +68,7 @@ class Worker:
         self.num_blocks = num_blocks
         self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
                                 self.dtype, self.device)
-        self.groups = list(self.kv_cache.layout) + (["draft"] if drafter is not None else [])
+        self.groups = list(self.kv_cache.groups) + (["draft"] if drafter is not None else [])
         self.draft_cache = None
         if drafter is not None:
             dc = drafter.config

@@ -76,7 +76,7 @@ class Harness:
         t = lambda v, dt: torch.tensor(v, dtype=dt, device=self.dev)  # noqa: E731
         bt, kv_lens = torch.cat(tables), t(lens, torch.int32)
         groups = {g: GroupMeta(bt, t(slots, torch.long), kv_lens,
-                               torch.zeros_like(kv_lens) if g == "sliding" else None) for g in self.cache.layout}
+                               torch.zeros_like(kv_lens) if g == "sliding" else None) for g in self.cache.groups}
         ctx = PagedAttentionContext(self.cache, t(cu, torch.int32), max(len(x[1]) for x in items), groups, self.ops)
         out = self.model(t(ids, torch.long), t(pos, torch.long), ctx)
         logits = self.model.compute_logits(out.hidden, self.ops)

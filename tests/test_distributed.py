@@ -20,7 +20,7 @@ import torch
 from conftest import make_hf_model, random_drafter
 from nanodspark import LLM, SamplingParams
 from nanodspark.distributed import WorkerLost
-from nanodspark.sharding import Layout
+from nanodspark.sharding import ShardLayout
 from nanodspark.loader import load_model, load_sharded
 from nanodspark.model import DenseAttentionContext
 
@@ -107,7 +107,7 @@ def _tp_logits(rank, world, jobs):
         tp = TPGroup(group, size, r, "gloo")
         for name, path, ep in jobs:
             if ep <= size:
-                model = load_model(path, layout=Layout(r, size, ep), tp=tp)
+                model = load_model(path, layout=ShardLayout(r, size, ep), tp=tp)
                 res[(name, size, ep)] = _logits(model, tp)
     return res
 
@@ -138,7 +138,7 @@ def test_loader_reads_only_each_ranks_shard(models, monkeypatch):
         reads, locals_ = [], []
         for rank in range(4):
             stats = {}
-            m = load_sharded(path, Layout(rank, 4, 2 if name == "qwen3_moe" else 1), stats=stats)
+            m = load_sharded(path, ShardLayout(rank, 4, 2 if name == "qwen3_moe" else 1), stats=stats)
             held = sum(p.numel() for p in m.parameters())
             assert stats["elements_read"] <= stats["local_elements"] == held
             assert held < 0.5 * full, (name, rank, held, full)
@@ -180,7 +180,7 @@ def test_loader_reads_only_each_ranks_shard(models, monkeypatch):
 
     import nanodspark.loader as loader
     monkeypatch.setattr(loader, "safe_open", Spy)
-    load_sharded(models["qwen3_moe"], Layout(1, 2, 2))
+    load_sharded(models["qwen3_moe"], ShardLayout(1, 2, 2))
     assert seen and all(kind == "slice" for kind, _ in seen)
 
 
@@ -188,9 +188,9 @@ def test_layout_refuses_a_split_that_does_not_divide(models):
     from nanodspark.config import ModelConfig
     cfg = ModelConfig.from_json(models["qwen3"])
     with pytest.raises(ValueError, match="num_attention_heads=4 is not a multiple of 3"):
-        Layout(0, 3).check(cfg)
+        ShardLayout(0, 3).check(cfg)
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        Layout(0, 2, 2).check(cfg)
+        ShardLayout(0, 2, 2).check(cfg)
 
 
 # ----------------------------------------------------------------------------- the engine

@@ -3,7 +3,8 @@ context, the Markov head's left-to-right conditioning, confidence/survival, chec
 import pytest
 import torch
 
-from nanodspark.drafter import Drafter, training_attention
+from nanodspark.drafter import Drafter
+from nanodspark.drafter_training import training_attention
 from nanodspark.sampling import SamplingTensors
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext, rope_cos_sin

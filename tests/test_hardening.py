@@ -408,7 +408,7 @@ def test_enumerated_flags_have_choices_that_the_engine_accepts():
             EngineConfig(**{name: value})
         with pytest.raises(ValueError):
             EngineConfig(**{name: "bogus"})
-    from nanodspark.engine import pick_device, pick_dtype
+    from nanodspark.config import pick_device, pick_dtype
     import torch
     for value in serve.DTYPE_CHOICES:
         pick_dtype(value, torch.device("cpu"))

@@ -99,13 +99,17 @@ def test_the_rooms_are_packages_that_pip_installs():
     assert {"nanodspark.server", "nanodspark.lab", "nanodspark.lab.recipes"} <= found
 
 
-def test_moved_names_are_still_found_where_they_were():
+def test_moved_names_are_found_in_their_own_modules():
+    """engine.py no longer re-exports what moved out of it: each name is imported from its home."""
+    import nanodspark
     import nanodspark.engine as engine
     import nanodspark.request as request
     import nanodspark.scheduler as scheduler
     for name in ("Status", "SpecStats", "Request", "RequestOutput", "GenerationOutput"):
-        assert getattr(engine, name) is getattr(request, name)
-    assert engine.Scheduler is scheduler.Scheduler
+        assert getattr(request, name).__module__ == "nanodspark.request"
+    assert scheduler.Scheduler.__module__ == "nanodspark.scheduler"
+    assert nanodspark.RequestOutput is request.RequestOutput
+    assert not hasattr(engine, "__all__")
 
 
 def test_server_public_names():
@@ -142,3 +146,33 @@ def test_device_scripts_parse_and_refuse_an_unknown_stage(script):
     if "stage=" in script.read_text():
         r = subprocess.run(["bash", str(script), "no-such-stage"], capture_output=True, text=True)
         assert r.returncode == 2 and "unknown stage" in r.stderr
+
+
+DOCSTRING_LINES = 40
+CORE_CODE = sorted([*PKG.glob("*.py"), *(PKG / "server").glob("*.py"), *(ROOT / "kernels").glob("*.py")])
+OUTSIDE = ("components.md", "ARCHITECTURE.md", "../shared", "§")   # files outside the repo, chapter sections
+
+
+@pytest.mark.parametrize("path", CORE_CODE, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_core_module_docstrings_fit_a_screen(path):
+    """A module docstring says the idea, the invariants and the paper section; teaching prose
+    goes to the file's walkthrough chapter."""
+    tree = ast.parse(path.read_text())
+    if ast.get_docstring(tree) is None:
+        return
+    doc = tree.body[0]
+    lines = doc.end_lineno - doc.lineno + 1
+    assert lines <= DOCSTRING_LINES, f"{path.relative_to(ROOT)}: module docstring of {lines} lines"
+
+
+@pytest.mark.parametrize("path", CORE_CODE, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_core_code_cites_only_what_the_repository_has(path):
+    """Comments and docstrings point at files of this repository and at chapters by number or
+    name: a file outside it is not there for a reader, and a chapter's section numbers move."""
+    text = path.read_text()
+    bad = [(i, s) for i, line in enumerate(text.splitlines(), 1) for s in OUTSIDE if s in line]
+    assert not bad, f"{path.relative_to(ROOT)} cites " + ", ".join(f"{s!r} (line {i})" for i, s in bad)
+
+
+def test_the_design_chapter_cites_only_the_repository():
+    assert "ARCHITECTURE.md" not in (ROOT / "walkthrough" / "00_design.md").read_text()

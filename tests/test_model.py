@@ -69,11 +69,11 @@ def paged_decode_logits(model, ids: torch.Tensor, chunk: int, block_size: int = 
     while start < S:
         end = chunk if start == 0 else start + 1
         pos = torch.arange(start, end)
-        slots = table[pos // block_size].long() * block_size + pos % block_size
-        meta = GroupMeta(block_tables=table[None], slot_mapping=slots,
+        kv_index = table[pos // block_size].long() * block_size + pos % block_size
+        meta = GroupMeta(block_tables=table[None], cache_index=kv_index,
                          kv_lens=torch.tensor([end], dtype=torch.int32))
         ctx = PagedAttentionContext(cache, torch.tensor([0, end - start], dtype=torch.int32), end - start,
-                                    {g: meta for g in cache.layout})
+                                    {g: meta for g in cache.groups})
         out = model(ids[start:end], pos, ctx)
         logits.append(model.compute_logits(out.hidden))
         start = end

@@ -36,15 +36,15 @@ def test_pool_counts_and_blocks_for():
     m.check_invariants([t])
 
 
-def test_slots():
+def test_cache_indices():
     m = BlockManager(8, 4)
     m.allocate_prompt([9])  # take a block so the next table does not start at block 0
     t = m.allocate_prompt(list(range(6)))
     b0, b1 = t.blocks
-    assert m.slot(t, 0) == b0 * 4 and m.slot(t, 5) == b1 * 4 + 1
-    assert m.slot_mapping(t, 2, 6) == [b0 * 4 + 2, b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
+    assert m.cache_index(t, 0) == b0 * 4 and m.cache_index(t, 5) == b1 * 4 + 1
+    assert m.cache_indices(t, 2, 6) == [b0 * 4 + 2, b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
     with pytest.raises(AssertionError):
-        m.slot(t, 6)  # no reserved slot
+        m.cache_index(t, 6)  # no reserved cache entry
 
 
 # ---- prefix cache -----------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_commit_publishes_only_full_committed_blocks():
     assert t.num_hashed_blocks == 2 and len(m.cache) == 2
     assert m.allocate_prompt([1, 2, 3, 4, 5, 6, 7, 8, 0]).num_cached_tokens == 8
     with pytest.raises(AssertionError):
-        m.commit(t, list(range(11)))  # more tokens than reserved slots
+        m.commit(t, list(range(11)))  # more tokens than reserved entries
 
 
 def test_commit_from_an_offset_equals_commit_of_the_whole_list():
@@ -189,7 +189,7 @@ def test_release_outside_window():
     assert m.release_outside_window(t, window=6, num_committed=17) == 0  # idempotent
     assert m.release_outside_window(t, window=6, num_committed=18) == 1  # block 2 = [8, 12)
     assert m.release_outside_window(t, window=6, num_committed=21) == 0  # block 3 = [12, 16)
-    assert m.slot_mapping(t, 10, 14) == [-1, -1, t.blocks[3] * 4, t.blocks[3] * 4 + 1]
+    assert m.cache_indices(t, 10, 14) == [-1, -1, t.blocks[3] * 4, t.blocks[3] * 4 + 1]
     assert m.num_free_blocks == 8 - 5 + 3
     m.check_invariants([t])
     m.free(t)
@@ -259,7 +259,7 @@ class PagedKVMachine(RuleBasedStateMachine):
     def write(self, req, start, tokens):
         """The engine's store_kv: only into blocks this request owns alone and never published."""
         for p, tok in zip(range(start, start + len(tokens)), tokens):
-            s = self.m.slot(req.table, p)
+            s = self.m.cache_index(req.table, p)
             b = s // self.bs
             assert s >= 0 and self.m.ref_count[b] == 1 and self.m.block_hash[b] is None
             self.shadow.setdefault(b, [None] * self.bs)[p % self.bs] = tok
@@ -377,7 +377,7 @@ class PagedKVMachine(RuleBasedStateMachine):
                 assert self.shadow[b] == list(self.m.block_key[b][1])
         for r in self.reqs:  # nobody overwrote a live request's K/V (committed or speculative)
             for p in range(len(r.view)):
-                s = self.m.slot(r.table, p)
+                s = self.m.cache_index(r.table, p)
                 if s != -1 and r.view[p] is not None:
                     assert self.shadow[s // self.bs][p % self.bs] == r.view[p]
 

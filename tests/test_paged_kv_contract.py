@@ -1,10 +1,10 @@
 """The paged KV contract, through public names only (the course's `paged-kv` unit).
 
 tests/test_paged_kv.py checks the reference from the inside (its ref counts, free lists and hash
-maps). These tests check only what a caller can see — tables, slots, prefix-hit lengths,
+maps). These tests check only what a caller can see — tables, cache indices, prefix-hit lengths,
 free-block counts, `NoFreeBlocks` — so a student's BlockManager with other internals passes
 them too: a block is *used* exactly when some live table holds it, a hit returns blocks that
-hold exactly the requested prefix (a shadow KV written through `slot` says what each block
+hold exactly the requested prefix (a shadow KV written through `cache_index` says what each block
 holds), and a refused call changes nothing a caller can observe."""
 import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -33,18 +33,18 @@ def held(tables):
     return {b for t in tables for b in t.blocks if b != -1}
 
 
-# ---- pool and slots ---------------------------------------------------------------------------
-def test_allocation_reserves_whole_blocks_and_slots_follow_the_table():
+# ---- pool and cache indices -------------------------------------------------------------------
+def test_allocation_reserves_whole_blocks_and_cache_indices_follow_the_table():
     m = BlockManager(8, 4)
     assert (m.num_free_blocks, m.num_used_blocks) == (8, 0)
     m.allocate_prompt([9])                                # so the next table does not start at block 0
     t = m.allocate_prompt(list(range(9)))
     assert len(t.blocks) == 3 == len(set(t.blocks)) and t.num_tokens == 9 and t.num_cached_tokens == 0
     assert m.num_used_blocks == 4 and m.num_free_blocks == 4
-    assert [m.slot(t, p) for p in range(9)] == [t.blocks[p // 4] * 4 + p % 4 for p in range(9)]
-    assert m.slot_mapping(t, 2, 6) == [m.slot(t, p) for p in range(2, 6)]
+    assert [m.cache_index(t, p) for p in range(9)] == [t.blocks[p // 4] * 4 + p % 4 for p in range(9)]
+    assert m.cache_indices(t, 2, 6) == [m.cache_index(t, p) for p in range(2, 6)]
     with pytest.raises(AssertionError):
-        m.slot(t, 9)                                      # no reserved slot there
+        m.cache_index(t, 9)                                      # no reserved cache entry there
 
 
 # ---- prefix cache -----------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_commit_publishes_only_full_committed_blocks_from_any_offset():
     m.commit(t, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert t.num_hashed_blocks == 2 and m.allocate_prompt([1, 2, 3, 4, 5, 6, 7, 8, 0]).num_cached_tokens == 8
     with pytest.raises(AssertionError):
-        m.commit(t, list(range(11)))                      # more tokens than reserved slots
+        m.commit(t, list(range(11)))                      # more tokens than reserved entries
     # committing only the new tokens (from published_tokens on) equals committing them all
     ids = list(range(1, 23))
     whole, tail = BlockManager(16, 4), BlockManager(16, 4)
@@ -191,7 +191,7 @@ def test_release_outside_window():
     assert m.release_outside_window(t, window=6, num_committed=17) == 0  # idempotent
     assert m.release_outside_window(t, window=6, num_committed=18) == 1  # block 2 = [8, 12)
     assert m.release_outside_window(t, window=6, num_committed=21) == 0  # block 3 = [12, 16) still read
-    assert m.slot_mapping(t, 10, 14) == [-1, -1, t.blocks[3] * 4, t.blocks[3] * 4 + 1]
+    assert m.cache_indices(t, 10, 14) == [-1, -1, t.blocks[3] * 4, t.blocks[3] * 4 + 1]
     assert m.num_free_blocks == 8 - 5 + 3
     m.free(t)
     assert m.num_free_blocks == 8
@@ -229,7 +229,7 @@ def test_a_hit_takes_its_block_off_the_free_list():
     t = m.allocate_prompt([1, 2, 3])
     assert t.num_cached_tokens == 2 and m.num_free_blocks == 2
     m.allocate_prompt([6, 6, 6, 6])                       # takes the last 2: the hit block is not among them
-    assert m.num_free_blocks == 0 and m.slot(t, 0) // 2 == t.blocks[0]
+    assert m.num_free_blocks == 0 and m.cache_index(t, 0) // 2 == t.blocks[0]
 
 
 # ---- the state machine ------------------------------------------------------------------------
@@ -248,7 +248,7 @@ PROMPTS = st.builds(lambda base, cut, tail: base[:cut] + tail, st.sampled_from(B
 
 class PublicPagedKVMachine(RuleBasedStateMachine):
     """Plays engine on a small pool through the public API, with a shadow KV: for every physical
-    block, the tokens whose K/V was written there (through `slot`)."""
+    block, the tokens whose K/V was written there (through `cache_index`)."""
 
     @initialize(bs=st.sampled_from([1, 2, 4]), nb=st.integers(3, 24), cache=st.booleans())
     def setup(self, bs, nb, cache):
@@ -261,7 +261,7 @@ class PublicPagedKVMachine(RuleBasedStateMachine):
         """store_kv: a write lands in a block no other live request holds."""
         others = held(r.table for r in self.reqs if r is not req)
         for p, tok in zip(range(start, start + len(tokens)), tokens):
-            s = self.m.slot(req.table, p)
+            s = self.m.cache_index(req.table, p)
             assert s >= 0 and s // self.bs not in others
             self.shadow.setdefault(s // self.bs, [None] * self.bs)[p % self.bs] = tok
             req.view[p] = tok
@@ -354,7 +354,7 @@ class PublicPagedKVMachine(RuleBasedStateMachine):
         for r in self.reqs:
             assert len(set(b for b in r.table.blocks if b != -1)) == sum(b != -1 for b in r.table.blocks)
             for p in range(len(r.view)):
-                s = self.m.slot(r.table, p)
+                s = self.m.cache_index(r.table, p)
                 if s != -1 and r.view[p] is not None:
                     assert self.shadow[s // self.bs][p % self.bs] == r.view[p]
 

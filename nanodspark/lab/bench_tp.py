@@ -128,7 +128,7 @@ def _rank_main(rank, size, port, cuda, a, queue) -> None:
 def _run_rank(rank, size, port, cuda, a) -> list[dict]:
     import torch
     import torch.distributed as dist
-    from ..sharding import Layout, TPGroup
+    from ..sharding import ShardLayout, TPGroup
     if cuda:
         torch.cuda.set_device(rank)
         device, dtype, backend = torch.device("cuda", rank), torch.bfloat16, "nccl"
@@ -142,9 +142,9 @@ def _run_rank(rank, size, port, cuda, a) -> list[dict]:
         for shape in a["shapes"]:
             ep = a["ep"] if "num_experts" in SHAPES[shape] and size % a["ep"] == 0 else 1
             for group in ((None, tp) if size == 1 else (tp,)):
-                model, cfg = _random_model(shape, a["layers"], Layout(rank, size, ep), group, device, dtype)
+                model, cfg = _random_model(shape, a["layers"], ShardLayout(rank, size, ep), group, device, dtype)
                 for batch in a["batches"]:
-                    rows.append(_measure(model, cfg, Layout(rank, size, ep), group, tp, batch, a, device, dtype,
+                    rows.append(_measure(model, cfg, ShardLayout(rank, size, ep), group, tp, batch, a, device, dtype,
                                          cuda, shape))
                 del model
                 if cuda:
@@ -196,7 +196,7 @@ def _measure(model, cfg, layout, group, tp, batch, a, device, dtype, cuda, shape
     pos = torch.full((batch,), ctx_len, dtype=torch.long, device=device)
     slots = (tables[:, ctx_len // bs].long() * bs + ctx_len % bs)
     meta = GroupMeta(tables, slots, torch.full((batch,), ctx_len + 1, dtype=torch.int32, device=device))
-    groups = {g: meta for g in kv.layout}
+    groups = {g: meta for g in kv.groups}
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=gen)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)

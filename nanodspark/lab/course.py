@@ -100,7 +100,7 @@ _C, _CH = "tests/test_cost_scheduler.py", "tests/hidden/test_hidden_cost_schedul
 UNITS: tuple[Unit, ...] = (
     Unit("paged-kv", "paged KV: block pool, prefix cache by hash chain, rollback, window release",
          "walkthrough/02_paged_kv.md", (
-             Group("pool, tables and slots", 10, _ids(_P, "test_allocation_reserves_whole_blocks_and_slots_follow_the_table")),
+             Group("pool, tables and cache indices", 10, _ids(_P, "test_allocation_reserves_whole_blocks_and_cache_indices_follow_the_table")),
              Group("prefix cache: hits on a shared prefix", 35, _ids(
                  _P, "test_prefix_hit_shares_full_blocks_and_caps_at_the_last_token", "test_a_hit_needs_the_whole_chain",
                  "test_a_hash_collision_is_not_a_hit", "test_commit_publishes_only_full_committed_blocks_from_any_offset",

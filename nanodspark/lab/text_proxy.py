@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ..drafter import Drafter, block_pass
+from ..drafter import Drafter
+from ..drafter_training import block_pass
 from ..loader import EOT, load_model
 from ..model import DenseAttentionContext
 from .workloads import ASSISTANT_HEADER

@@ -22,10 +22,8 @@ one peer each way, ordered, and end-of-file when the other side dies (so neither
 outlive the other unnoticed), with no new dependency on the GPU image. The core's pipe ends are
 served by threads, so the step loop never waits on a pipe; the API side never waits either.
 
-The core does no text work: requests come without stop strings, with `stream_text=False`, and
-its engine has no tokenizer (the API process loads its own). A stop string is seen by the API
-side, which answers the client at once and sends an abort; the core learns of it a step or two
-late and the tokens it made meanwhile are dropped.
+The core does no text work (no stop strings, `stream_text=False`, no tokenizer): the API side
+sees a stop string, answers at once and sends an abort; tokens made meanwhile are dropped.
 
 Lifecycle: `CoreClient(...)` spawns the process and `wait_ready()` returns the `EngineInfo` (or
 raises `CoreStartError` with the core's reason); `start()` begins reading outputs; `stop()`

@@ -4,7 +4,7 @@ time, and the training mask's pattern."""
 import pytest
 import torch
 
-from nanodspark.drafter import training_attention
+from nanodspark.drafter_training import training_attention
 
 from conftest import make_hf_model, random_drafter
 from nanodspark.loader import load_model

@@ -1,6 +1,6 @@
 """Hidden tests of the `paged-kv` unit (run by `course grade`, never exported): prefix hits on
 prompts that share prefixes, against a plain model of the cache (no eviction: the pool is large),
-and slots against the table."""
+and cache indices against the table."""
 import random
 
 from nanodspark.paged_kv import BlockManager
@@ -29,7 +29,7 @@ def test_prefix_hits_against_a_model_of_the_cache():
             if rng.random() < 0.3:                      # a finished request: its blocks stay cached
                 m.free(tables.pop(rng.randrange(len(tables))))
         for t in tables:
-            assert [m.slot(t, p) for p in range(t.num_tokens)] == [t.blocks[p // bs] * bs + p % bs
+            assert [m.cache_index(t, p) for p in range(t.num_tokens)] == [t.blocks[p // bs] * bs + p % bs
                                                                    for p in range(t.num_tokens)]
 
 
