@@ -394,7 +394,10 @@ class LLMEngine:
         stop = np.zeros(len(s), dtype=bool)
         if len(self.eos):
             k = np.arange(toks.shape[1])
-            eos = np.isin(toks, self.eos) & (k[None, :] < take[:, None]) & ~b.ignore_eos[s][:, None]
+            eos = toks == self.eos[0]                   # a few ids: compares beat np.isin's sort
+            for e in self.eos[1:]:
+                eos |= toks == e
+            eos &= (k[None, :] < take[:, None]) & ~b.ignore_eos[s][:, None]
             stop = eos.any(1)
             take = np.where(stop, eos.argmax(1) + 1, take)
         b.append_rows(s, toks, take)

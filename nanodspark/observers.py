@@ -76,7 +76,8 @@ class SpecMetrics:
             self._settle(self.pending.copy())
         plain = self._track_ceiling(d, win, acc)
         self.ceiling.record_many(win[plain], acc[plain])
-        surv = np.cumprod(np.clip(np.nan_to_num(o.conf.astype(np.float64)), 0.0, 1.0), axis=1)
+        conf = o.conf.astype(np.float64)
+        surv = np.cumprod(np.clip(np.where(np.isnan(conf), 0.0, conf), 0.0, 1.0), axis=1)   # NaN counts as 0
         self._ece.append((surv, accepted, k < win[:, None]))
         if len(self._ece) >= ECE_EVERY:
             self._flush_ece()
