@@ -32,14 +32,14 @@ Phases (paper sections 3.3, 3.2.1, 4):
    (`nanodspark/lab/text_proxy.py`).
 Everything goes into `report.json`. `--target DIR` takes any checkpoint the engine serves (e.g.
 SmolLM2 from `distill --export-target`); `--write-prompt-corpus DIR` only writes a small copy of
-the corpus's prompt sources, to travel with a large target (chapter 09).
+the corpus's prompt sources, to travel with a large target (chapter 09). Where prompts come
+from: `nanodspark/lab/prompt_corpus.py`.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import lzma
 import math
 import random
 import sys
@@ -57,81 +57,18 @@ from nanodspark.calibration import (apply_temperatures, calibration_report, fit_
                                     offset_interval, survival)
 from nanodspark.drafter import Drafter, DrafterConfig  # noqa: E402
 from nanodspark.drafter_training import block_pass  # noqa: E402
+from nanodspark.lab.prompt_corpus import (BUILD_CORPUS, TRAIN_DOMAINS, find_corpus,  # noqa: E402
+                                          training_prompts, write_prompt_corpus)
 from nanodspark.lab.text_proxy import PROXY_DOMAINS, text_proxy  # noqa: E402
-from nanodspark.lab.workloads import ASSISTANT_HEADER  # noqa: E402
 from nanodspark.loader import EOT, Tokenizer, load_model, resolve_model_dir  # noqa: E402
 
 LOSS_ALPHA = {"ce": 0.1, "l1": 0.9, "conf": 1.0}   # paper Eq. 12 / DeepSpec config
 DFLASH_ALPHA = {"ce": 1.0, "l1": 0.0, "conf": 0.0}
 DECAY = 4.0                                        # position weight exp(-k / DECAY), DeepSpec code
-TRAIN_DOMAINS = ("chat", "math", "code", "literature", "docs")   # add "distill" with --domains (chapter 09)
 PHASES = {"data", "train", "dflash", "calibrate", "eval", "proxy"}
 
 
 # ----------------------------------------------------------------------------- 1. data
-def corpus_documents(path: Path) -> list[str]:
-    """The documents of one corpus file that can give a training prompt (longer than 80 characters)."""
-    with lzma.open(path, "rt", encoding="utf-8") as f:
-        return [d for d in f.read().split(EOT) if len(d) > 80]
-
-
-def training_prompts(corpus: Path, n: int, seed: int, domains=TRAIN_DOMAINS) -> list[str]:
-    """Beginnings of training documents, spread evenly over `domains`."""
-    rng = random.Random(seed)
-    out = []
-    domains = [d for d in domains if (corpus / f"{d}.txt.xz").exists()]
-    per = n // max(1, len(domains)) + 1
-    for dom in domains:
-        docs = corpus_documents(corpus / f"{dom}.txt.xz")
-        for d in rng.sample(docs, min(per, len(docs))):
-            if ASSISTANT_HEADER in d:
-                out.append(d[: d.index(ASSISTANT_HEADER) + len(ASSISTANT_HEADER)])
-            else:
-                cut = rng.randint(60, min(400, len(d) - 1))
-                out.append(d[:cut])
-    rng.shuffle(out)
-    return out[:n]
-
-
-def write_prompt_corpus(corpus: Path, out: Path, docs: int, chars: int, domains=TRAIN_DOMAINS) -> dict:
-    """A small copy of the corpus that still serves `training_prompts`: per domain, its first
-    `docs` documents longer than 80 characters, each cut to `chars` characters (a prompt uses at
-    most the first 400, or the text up to the assistant header; a chat turn longer than `chars`
-    becomes a plain cut, 1 of 3,761 at 6,000). It lets the prompts travel with a large target,
-    as the SmolLM2 run of chapter 09 did (5,000 and 6,000)."""
-    out.mkdir(parents=True, exist_ok=True)
-    kept = {}
-    for dom in domains:
-        src = corpus / f"{dom}.txt.xz"
-        if not src.exists():
-            continue
-        keep = [d[:chars] for d in corpus_documents(src)[:docs]]
-        with lzma.open(out / src.name, "wt", encoding="utf-8") as f:
-            f.write(EOT.join(keep))
-        kept[dom] = len(keep)
-    return kept
-
-
-CORPUS_DIRS = (ROOT / ".carry" / "corpus", ROOT / "build" / "corpus")   # where --corpus is looked for
-BUILD_CORPUS = ("python -m nanodspark.lab.recipes.corpus --out build/corpus   (about 3 min; it downloads from "
-                "PyPI and Debian)")
-
-
-def find_corpus(given: str | None, files: tuple[str, ...]) -> Path:
-    """--corpus, or the first of CORPUS_DIRS holding any of `files`; a one-line SystemExit that says
-    how to build it when there is none (a fresh clone has no corpus: it is built, not committed)."""
-    if given:
-        if not any((Path(given) / f).exists() for f in files):
-            raise SystemExit(f"train_heads.py: {given} holds none of {', '.join(files)}; build the corpus "
-                             f"first: {BUILD_CORPUS}")
-        return Path(given)
-    for d in CORPUS_DIRS:
-        if any((d / f).exists() for f in files):
-            return d
-    raise SystemExit(f"train_heads.py: no corpus in .carry/corpus or build/corpus, and the data and proxy phases "
-                     f"read one; build it first: {BUILD_CORPUS}")
-
-
 def build_data(args, tok: Tokenizer) -> list[dict]:
     prompts = training_prompts(Path(args.corpus), args.n_prompts, args.seed, tuple(args.domains.split(",")))
     if not prompts:

@@ -190,7 +190,8 @@ def test_a_fresh_clone_without_a_corpus_gets_one_line_that_says_how_to_build_it(
     """The documented command on a fresh clone (no .carry/corpus, no build/corpus) and an empty
     --corpus fail before loading anything, with the command that builds the corpus; a train phase
     without data names the data phase. (Before: RuntimeError deep in training on 0 sequences.)"""
-    monkeypatch.setattr(train_heads, "CORPUS_DIRS", (tmp_path / "no" / "corpus",))
+    from nanodspark.lab import prompt_corpus
+    monkeypatch.setattr(prompt_corpus, "CORPUS_DIRS", (tmp_path / "no" / "corpus",))
     for argv in (["--out", str(tmp_path / "run")], ["--out", str(tmp_path / "run"), "--corpus", str(tmp_path)],
                  ["--out", str(tmp_path / "run"), "--phases", "proxy"]):
         with pytest.raises(SystemExit) as e:
