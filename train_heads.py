@@ -281,7 +281,7 @@ def workload_prompts(tok: Tokenizer, name: str, n: int, data_dir, at_most: bool 
                      as_shipped: bool = False) -> list[list[int]]:
     """n prompts of a workload (`at_most`: all of them if it has fewer, e.g. chat has 80).
     `as_shipped` puts back the trailing newline the code workload strips from HumanEval's
-    prompts (how code was measured before session 8; chapter 09)."""
+    prompts (the prompt exactly as HumanEval ships it; chapter 09)."""
     from nanodspark.lab.workloads import load_workload, workload_size
     if at_most:
         n = min(n, workload_size(name, data_dir))

@@ -1,4 +1,4 @@
-"""`EngineConfig` with shape (issue 39 item 4; issue 40 item 7's config part).
+"""`EngineConfig` with shape.
 
 * Every field carries its help and group in `field(metadata=...)`; enumerations are `Literal`s;
   `serve.py` builds its flags from that metadata (argument groups, defaults shown) and no longer

@@ -20,7 +20,7 @@ def engine(model, drafter, batch: int):
 
 
 def test_host_work_per_step_at_256_is_at_most_1_5x_that_at_64(tiny_dir, tmp_path):
-    """(The engine before the running batch: 6.8x, 3.1 -> 21.1 ms; after: 1.1x, on this CPU.)
+    """A plausible bug this catches: Python per request per step creeping back into a phase.
     The two batch sizes alternate, five rounds, and each keeps its least disturbed round: a
     neighbour's burst of CPU then cannot land on one size only."""
     drafter = make_drafter(tiny_dir, tmp_path / "d")

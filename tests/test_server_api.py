@@ -1,4 +1,4 @@
-"""The API users expect (issue 40 items 4, 6, 8), through the official `openai` client and httpx.
+"""The API users expect, through the official `openai` client and httpx.
 
 * Parameters this server does not honour are refused with a 400 in OpenAI's shape naming the
   field (`min_p` unless 0, `repetition_penalty` unless 1, `response_format` other than text,

@@ -1,5 +1,5 @@
 """The engine core in its own process (nanodspark/server/core.py) and the API side's text
-(nanodspark/server/outputs.py), issue 37 items 3 and 4.
+(nanodspark/server/outputs.py).
 
 * The API side's detokenizer, unit-tested on real multi-byte text cut into byte tokens: streamed
   in one-token rows or in verify-sized chunks, the text is the tokenizer's decode of the ids, a

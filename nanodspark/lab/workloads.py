@@ -245,9 +245,9 @@ def _poetry(data_dir) -> list[Prompt]:
 def _code(data_dir) -> list[Prompt]:
     # A HumanEval prompt ends in a newline, and our BPE merges a newline with the indentation
     # after it: ending on a bare newline asks the target to go on from a token it almost never
-    # saw before a function body, and it writes new module-level code instead (09_results.md
-    # §4f). So the prompt is stripped, as bigcode-evaluation-harness's default `humaneval`
-    # task does; meta["cut"] keeps what was cut (figures before session 8 kept it).
+    # saw before a function body, and it writes new module-level code instead (the results
+    # page). So the prompt is stripped, as bigcode-evaluation-harness's default `humaneval`
+    # task does; meta["cut"] keeps what was cut.
     rows = read_jsonl(data_file(DATA_FILES["code"], data_dir))
     out = []
     for r in rows:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements of walkthrough/09_results.md §8 (the host-light step, DSpark's thesis) on the
+# The measurements of the results page (the host-light step, DSpark's thesis) on the
 # device, one stage per call, each well inside a call's 10 minutes:
 #   carry: [".whl", ".carry/old", ".carry/shared"]     command: bash tests/device/measure.sh STAGE
 # .whl: the wheels the image lacks (tests/device/run_suite.sh); .carry/old: the engine before the

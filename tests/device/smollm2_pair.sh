@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M pair on the device, staged so that a measuring session spends its GPU minutes on
-# measuring, not on re-exporting and re-training (walkthrough/09_results.md §8c; results/device_notes.md,
+# measuring, not on re-exporting and re-training (the results page; results/device_notes.md,
 # "Staging the SmolLM2 pair"). The exported target (261 MB of bf16 shards, about 130 MB as tar.xz) and
 # the trained drafter travel as checksummed pieces (nanodspark/lab/stage.py) in .carry/stage/, which
 # .gitignore keeps out of git. Every device call runs `take` first: it copies the pieces the call carries
