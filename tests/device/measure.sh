@@ -11,7 +11,8 @@
 #            engine without the drafter at 64 and 256; then bench engine with the drafter, bench
 #            host with text streamed in the engine (before: what serve.py ran), a timeline at 256
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
-#   thesis   the step-cost profile, then the steady-state sweep no-spec / static / compact / A/A
+#   thesis   the step-cost profiles (with and without the drafter), then the steady-state sweep
+#            no-spec / static / compact / A/A with acceptance traces (the simulator's input)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
@@ -61,12 +62,16 @@ serve)
   echo "serve engine rc=$?"
   tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
 thesis)
-  timeout 120 $new profile --batch-sizes 1 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
-  echo "profile rc=$?"
-  timeout 240 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
-    --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 220 --out "$R/thesis_default.json" \
-    > "$R/thesis.txt" 2>&1
-  echo "thesis rc=$?"
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  timeout 130 $new profile --batch-sizes 1 16 64 128 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
+  echo "profile rc=$?"; pack
+  timeout 60 $new profile-plain --batch-sizes 1 16 64 128 256 --repeats 3 --out "$R/plain_default.json" \
+    > "$R/profile_plain.txt" 2>&1
+  echo "profile-plain rc=$?"; pack
+  timeout 260 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
+    --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 230 --record-traces "$R/traces" \
+    --out "$R/thesis_default.json" > "$R/thesis.txt" 2>&1
+  echo "thesis rc=$?"; pack
   tail -n 12 "$R/profile.txt"; tail -n 24 "$R/thesis.txt" ;;
 last)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
