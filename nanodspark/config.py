@@ -430,6 +430,11 @@ class EngineConfig:
                                           "0 = 8192 on cuda, 2048 on cpu", "batching")
     max_model_len: int = knob(0, "longest prompt + output; 0 = the model's max_position_embeddings", "batching")
     max_waiting: int = knob(1024, "queued requests beyond which new ones are refused", "batching")
+    max_waiting_steps: int | Literal["auto"] = knob(
+        "auto", "decode steps an arrival may wait so that one prefill serves several (scheduler.py); "
+                "0 = admit at once; auto = 8 when decode steps replay CUDA graphs, else 0", "batching")
+    waiting_served_ratio: float = knob(0.25, "admit at once when the queue holds this share of the decoding "
+                                             "requests", "batching")
     # speculation
     drafter_path: str | None = knob(None, 'a drafter checkpoint; unset = the model\'s drafter/ if shipped, '
                                           '"none" = speculation off', "speculation")
@@ -494,6 +499,8 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.swa_replay_tokens, str) and self.swa_replay_tokens.strip().isdigit():
             self.swa_replay_tokens = int(self.swa_replay_tokens)       # a command-line flag
+        if isinstance(self.max_waiting_steps, str) and self.max_waiting_steps.strip().isdigit():
+            self.max_waiting_steps = int(self.max_waiting_steps)       # a command-line flag
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             setattr(self, f.name, _conform(f.name, getattr(self, f.name), hints[f.name]))
@@ -529,6 +536,9 @@ class EngineConfig:
         if self.eplb and self.tensor_parallel_size > 1:
             raise ValueError("eplb simulates its EP ranks in one process; it does not run with "
                              "tensor_parallel_size > 1 yet")
+        if (self.max_waiting_steps != "auto" and self.max_waiting_steps < 0) or self.waiting_served_ratio < 0:
+            raise ValueError(f"max_waiting_steps must be >= 0 or 'auto' (not {self.max_waiting_steps!r}) and "
+                             f"waiting_served_ratio >= 0")
         if self.swa_replay_tokens != "auto" and self.swa_replay_tokens < 0:
             raise ValueError(f"swa_replay_tokens must be 0 (exact), a positive count or 'auto', "
                              f"not {self.swa_replay_tokens!r}")

@@ -61,6 +61,14 @@ def auto_token_budget(device: torch.device) -> int:
     return 8192 if device.type == "cuda" else 2048
 
 
+def auto_waiting_steps(graphs: bool) -> int:
+    """`max_waiting_steps` left at "auto". With CUDA graphs a decode step is one replay, but a
+    step with a prefill in it also runs that prefill eagerly, and on a small model its launches
+    cost several decode steps whatever its rows (chapter 01); an arrival waiting up to 8 steps lets
+    one prefill serve every arrival of those steps. Without graphs every step is eager: no wait."""
+    return 8 if graphs else 0
+
+
 # ----------------------------------------------------------------------------- the engine
 class PhaseClock:
     """Host milliseconds per phase of an engine step, summed over steps (`LLMEngine.clock`).
@@ -137,6 +145,8 @@ class LLMEngine:
         if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
                              f"({self.decode_rows} rows = anchor + gamma drafts)")
+        if cfg.max_waiting_steps == "auto":
+            self.config = cfg = dataclasses.replace(cfg, max_waiting_steps=auto_waiting_steps(w.executor.graphs.use_graphs))
         managers = {g: BlockManager(w.num_blocks, cfg.block_size, cfg.enable_prefix_cache and g != "sliding")
                     for g in w.groups}
         from .swa_replay import look_back

@@ -45,6 +45,16 @@ from .swa_replay import Snapshot, SnapshotPool, plan_replay, replay_tokens, snap
 
 SETTLE_BLOCKS = 4      # KV blocks a decoding request reserves / publishes / releases at a time
 
+def admission_due(n_waiting: int, n_decoding: int, prefilling: bool, waited: int, max_waiting_steps: int,
+                  waiting_served_ratio: float) -> bool:
+    """May the queue's head be admitted in this step? At once when nothing decodes, when a prefill
+    runs in the step anyway, or when the queue holds `waiting_served_ratio` of the decoding
+    requests; else once it has been held back `max_waiting_steps` schedules. Admitting in waves lets
+    one prefill forward serve several arrivals: on the GPU its launches cost the same for one."""
+    return bool(n_waiting) and (not n_decoding or prefilling or waited >= max_waiting_steps
+                                or n_waiting >= waiting_served_ratio * n_decoding)
+
+
 class Drain(Exception):
     """Scheduling must preempt a request whose step is still in flight: read it first."""
 
@@ -62,6 +72,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}           # admission order (a dict: O(1) removal)
         self.prefilling: dict[Request, None] = {}        # running requests not decoding yet
+        self.waited = 0                                   # schedules the queue's head was held back
+        # "auto" is the engine's to resolve (it knows whether steps replay graphs); unresolved: no wait
+        self.max_waiting_steps = 0 if cfg.max_waiting_steps == "auto" else cfg.max_waiting_steps
         self.changed: set[Request] = set()               # tables grown since the engine last synced them
         self.n_sliding = model_cfg.layer_types.count("sliding_attention")
         self.window = model_cfg.sliding_window
@@ -257,8 +270,9 @@ class Scheduler:
             if self._reserve(req, self.reservation(req, rows), out):
                 out.prefill.append((req, rows))
                 budget -= rows
-        # 3. admission
-        while self.waiting and budget > 0 and b.num_free > 0:
+        # 3. admission, while slots, blocks and budget last, when it is due
+        due = bool(self.waiting) and self.admission_due(len(dec), bool(out.prefill))
+        while due and self.waiting and budget > 0 and b.num_free > 0:
             req = self.waiting[0]
             try:
                 taken = self._allocate(req)
@@ -293,6 +307,13 @@ class Scheduler:
             budget -= rows
         out.decode = np.asarray(out.decode, dtype=np.int64)
         return out
+
+    def admission_due(self, n_decoding: int, prefilling: bool) -> bool:
+        """`admission_due` for this queue, counting the schedules its head is held back."""
+        due = admission_due(len(self.waiting), n_decoding, prefilling, self.waited, self.max_waiting_steps,
+                            self.cfg.waiting_served_ratio)
+        self.waited = 0 if due else self.waited + 1
+        return due
 
     def _reserve(self, req: Request, need: int, out: "Schedule") -> bool:
         """Grow `req`'s tables to `need` positions, preempting the most recently admitted requests

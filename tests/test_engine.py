@@ -341,3 +341,39 @@ def test_token_budget_auto_is_8192_on_cuda_and_2048_on_cpu(tiny_dir):
                max_num_batched_tokens=7).engine.config.max_num_batched_tokens == 7
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=-1)
+
+
+def test_admission_waits_in_waves_and_changes_no_token(tiny_dir, ref_llm):
+    """With `max_waiting_steps`, an arrival while others decode waits (at most that many steps,
+    or until the queue holds `waiting_served_ratio` of the decoding requests, or a prefill runs
+    anyway) so that one prefill serves several arrivals. The tokens are those of admitting at once.
+    Fails if the wait is unbounded, counts wrongly, or holds back an arrival to an idle engine."""
+    from nanodspark.scheduler import admission_due
+    assert admission_due(1, 0, False, 0, 8, 0.25)            # nothing decodes: at once
+    assert admission_due(1, 8, True, 0, 8, 0.25)             # a prefill runs anyway: ride along
+    assert admission_due(2, 8, False, 0, 8, 0.25)            # the queue holds a quarter of the batch
+    assert not admission_due(1, 8, False, 7, 8, 0.25) and admission_due(1, 8, False, 8, 8, 0.25)
+    assert admission_due(1, 8, False, 0, 0, 0.25) and not admission_due(0, 0, False, 0, 8, 0.25)
+    ps = prompts(4, ref_llm.engine.model_config.vocab_size, seed=5, lo=5, hi=20)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [ref_llm.generate([p], long)[0].token_ids for p in ps]
+    llm = LLM(str(tiny_dir), use_tqdm=False, max_waiting_steps=3, waiting_served_ratio=1.0)
+    eng = llm.engine
+    first = [eng.add_request(p, long) for p in ps[:2]]       # an idle engine admits at once
+    eng.step()
+    assert all(r.status is Status.RUNNING for r in first)
+    while not all(r.is_decoding for r in first):
+        eng.step()
+    late = eng.add_request(ps[2], long)
+    held = 0
+    while late.status is Status.WAITING:
+        eng.step()
+        held += 1
+    assert held == 4        # three schedules held back, admitted by the fourth
+    last = eng.add_request(ps[3], long)
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in first + [late, last]] == want
+    check_no_leak(llm)
+    with pytest.raises(ValueError, match="max_waiting_steps"):
+        LLM(str(tiny_dir), use_tqdm=False, max_waiting_steps=-1)

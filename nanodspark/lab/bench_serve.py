@@ -479,6 +479,8 @@ def serve_command(args, system: str, port: int) -> list[str]:
         cmd += ["--model", args.model]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if getattr(args, "max_waiting_steps", "auto") != "auto":
+        cmd += ["--max-waiting-steps", str(args.max_waiting_steps)]
     return cmd
 
 
@@ -487,7 +489,8 @@ def engine_config(args, system: str) -> dict:
     fields, _, _ = SYSTEMS[system]
     kw = dict(fields, use_tqdm=False, max_num_seqs=args.max_num_seqs or max(args.concurrency),
               kv_cache_memory_gb=args.kv_gb, enable_prefix_cache=args.prefix_cache,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_waiting_steps=getattr(args, "max_waiting_steps", "auto"))
     if system != "no-spec":
         kw["cost_table"] = args.cost_table
         if args.drafter:
@@ -723,6 +726,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
                    help="latency percentiles reported (TTFT, TPOT, ITL)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="engine slots (default: the largest concurrency)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="token budget per step (0: the engine's)")
+    p.add_argument("--max-waiting-steps", default="auto",
+                   help="steps an arrival may wait for an admission wave (auto: the engine's; 0: admit at once)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="keep the prefix cache on (off by default: a closed loop repeats its prompts)")
     p.add_argument("--stream-text", action="store_true",

@@ -47,6 +47,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from ..scheduler import admission_due
 from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, topk_windows
 from ..step import DecodeRows
 from ..windows import CostWindows, StaticWindows
@@ -127,7 +128,8 @@ def trace_picker(traces: Traces | None, n_prompts: int):
 def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None, cost: StepCost, concurrency: int,
                          warmup_s: float, duration_s: float, num_requests: int = 0, gamma: int | None = None,
                          max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, lag: int = DEFAULT_LAG,
-                         min_gain: float = DEFAULT_MIN_GAIN) -> Run:
+                         min_gain: float = DEFAULT_MIN_GAIN, max_waiting_steps: int = 0,
+                         waiting_served_ratio: float = 0.25) -> Run:
     """One closed-loop run of `system` ("no-spec", "static", "compact", or a static/compact
     variant) in virtual time; the same loop, window and figures as bench_serve.engine_closed_loop."""
     spec = system != "no-spec"
@@ -143,7 +145,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
     generation = [0] * max_num_seqs
     running: list[_Request] = []
     waiting: deque[_Request] = deque()
-    records, t, step, i, n_measured, in_window = [], 0.0, 0, 0, 0, 0
+    records, t, step, i, n_measured, in_window, waited = [], 0.0, 0, 0, 0, 0, 0
     t0 = warmup_s
     t1 = t0 + duration_s if not num_requests else math.inf
     while True:
@@ -173,7 +175,9 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if not r.decoding:
                 chunks.append((r, min(r.prompt_len - r.computed, budget)))
                 budget -= chunks[-1][1]
-        while waiting and budget > 0 and len(running) < max_num_seqs:
+        due = admission_due(len(waiting), len(decode), bool(chunks), waited, max_waiting_steps, waiting_served_ratio)
+        waited = 0 if due or not waiting else waited + 1
+        while due and waiting and budget > 0 and len(running) < max_num_seqs:
             r = waiting.popleft()
             r.slot = free.pop()
             generation[r.slot] += 1
@@ -361,7 +365,8 @@ def simulate(args) -> dict:
     rows = simulate_sweep(args.systems, args.concurrency, work, traces, costs, args.warmup_s, args.duration,
                           args.num_requests, args.workload, gamma=gamma,
                           max_num_seqs=args.max_num_seqs or max(args.concurrency),
-                          max_num_batched_tokens=args.max_num_batched_tokens, lag=args.lag, min_gain=args.min_gain)
+                          max_num_batched_tokens=args.max_num_batched_tokens, lag=args.lag, min_gain=args.min_gain,
+                          max_waiting_steps=args.max_waiting_steps, waiting_served_ratio=args.waiting_served_ratio)
     result = {"kind": "prediction", "label": label, **environment(cuda=False),
               "command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]),
               "inputs": {"cost_table": args.cost_table, "table_key": args.table_key, "plain_table": args.plain_table,
@@ -424,6 +429,10 @@ def add_simulate_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=0, help="engine slots (0: the largest concurrency)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="the engine's (8192 on CUDA, 2048 on CPU)")
+    p.add_argument("--max-waiting-steps", type=int, default=8,
+                   help="the engine's admission waves (8: its default on CUDA with graphs; 0: admit at once)")
+    p.add_argument("--waiting-served-ratio", type=float, default=0.25, help="the engine's (admit when the queue "
+                   "holds this share of the decoding requests)")
     p.add_argument("--lag", type=int, default=DEFAULT_LAG,
                    help="steps between the confidences that size the budget and now")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
