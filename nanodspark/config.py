@@ -406,7 +406,11 @@ class EngineConfig:
                        "placement")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "compute dtype; auto = bfloat16 on cuda, float32 on cpu", "placement")
-    seed: int = knob(0, "seed of the engine's default sampling generator (requests without a seed)", "placement")
+    seed: int = knob(0, "seed of the engine's default sampling generator (requests without a seed) and of dummy "
+                        "weights", "placement")
+    load_format: Literal["safetensors", "dummy"] = knob(
+        "safetensors", "safetensors = the checkpoint's weights; dummy = random weights (config.json only; "
+                       "drafter: its config.json or DSpark's default): step costs at full size", "placement")
     # cache: four ways to size it, first match wins: num_kv_blocks, kv_cache_memory_gb,
     # kv_memory_fraction (CUDA), cpu_kv_blocks (CPU)
     block_size: int = knob(16, "tokens per KV block (a power of two)", "cache")

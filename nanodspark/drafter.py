@@ -27,7 +27,9 @@ injected K/V of the target features at `p`; the anchor's own features are never 
 anchor has not been through the target yet). The embedding and LM head are the target's
 (frozen, not stored in the drafter checkpoint). `gamma` at serving time equals the trained one.
 Saved as `config.json` + `model.safetensors`, like the target. Walkthrough chapter 05.
-Training runs the same backbone without the paged cache: drafter_training.py.
+Training runs the same backbone without the paged cache: drafter_training.py. With dummy
+weights (`Drafter.random`, the engine's `load_format="dummy"`) only the config is needed; a
+target without one gets `DrafterConfig.dspark_default`, the shape DSpark's released drafters have.
 """
 from __future__ import annotations
 
@@ -45,6 +47,13 @@ from .model import (TORCH_OPS, DecoderLayer, GroupMeta, Ops, PagedAttentionConte
                     rope_cos_sin)
 from .paged_kv import table_cache_index
 from .sampling import GREEDY_BELOW, STREAM_DRAFT, SamplingTensors, gumbel_argmax, probs_from_logits
+
+
+# DSpark's released drafters (DeepSpec config/dspark, paper section 4.1): `DrafterConfig.dspark_default`
+DSPARK_DRAFT_LAYERS = 5
+DSPARK_GAMMA = 7
+DSPARK_MARKOV_RANK = 256
+QWEN3_MASK_TOKEN_ID = 151669
 
 
 @dataclass
@@ -74,6 +83,42 @@ class DrafterConfig:
                    num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
                    vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
                    rope_theta=target.rope_theta, **kw)
+
+    @classmethod
+    def dspark_default(cls, target: ModelConfig) -> "DrafterConfig":
+        """The drafter DSpark's authors ship for a dense Qwen3 target, derived from `target`
+        (DeepSpec's released `config/dspark/*` and the paper, section 4.1): `DSPARK_DRAFT_LAYERS` = 5 draft
+        layers, each a decoder layer of the target's shape (hidden size, heads, head_dim, MLP
+        width: DeepSpec deep-copies the target config); block size gamma = `DSPARK_GAMMA` = 7 (the
+        released "block7" checkpoints); a vanilla Markov head of rank `DSPARK_MARKOV_RANK` = 256
+        and a confidence head; five target layers spread over depth, 1, 1+s, ..., 1+4s with
+        s = (L-4)//4, which gives DeepSpec's [1, 9, 17, 25, 33] for Qwen3-8B (36 layers) and
+        [1, 10, 19, 28, 37] for Qwen3-14B (40). Qwen3's mask token id is 151669.
+
+        What is ours: nanodspark's draft layers are dense, so a MoE target's drafter gets a dense
+        MLP of the target's `intermediate_size` (Qwen3-30B-A3B: 6144); a target too shallow for
+        five spread layers (fewer than 9) keeps `for_target`'s; a vocabulary without Qwen3's mask
+        id keeps the default mask id. Weights are not part of a config: this is for dummy weights
+        (step costs), or the starting shape of a drafter to train."""
+        n = target.num_hidden_layers
+        kw = dict(num_layers=DSPARK_DRAFT_LAYERS, gamma=DSPARK_GAMMA, markov_rank=DSPARK_MARKOV_RANK,
+                  intermediate_size=target.intermediate_size or target.moe_intermediate_size * max(
+                      1, target.num_experts_per_tok))
+        if n >= 9:
+            step = (n - 4) // 4
+            kw["target_layer_ids"] = [1 + i * step for i in range(5)]
+        if target.vocab_size > QWEN3_MASK_TOKEN_ID:
+            kw["mask_token_id"] = QWEN3_MASK_TOKEN_ID
+        return cls.for_target(target, **kw)
+
+    def check_target(self, target: ModelConfig, where: str = "the drafter") -> None:
+        """Refuse a target this drafter cannot serve: another hidden size or vocabulary, or
+        target layers it does not have (or its last, whose output is normed)."""
+        if self.hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
+            raise ValueError(f"{where} was built for hidden {self.hidden_size} / vocab {self.vocab_size}, "
+                             f"the target has {target.hidden_size} / {target.vocab_size}")
+        if max(self.target_layer_ids) >= target.num_hidden_layers - 1:
+            raise ValueError(f"{where} reads a target layer the target does not have (or its last layer)")
 
     def attention_config(self) -> ModelConfig:
         """A target-style config for the draft layers (all full attention, dense MLP)."""
@@ -267,12 +312,7 @@ class Drafter(nn.Module):
         if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
             raise FileNotFoundError(f"{path} is not a drafter checkpoint (config.json + model.safetensors)")
         cfg = DrafterConfig(**json.loads((path / "config.json").read_text()))
-        tc = target.config
-        if cfg.hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
-            raise ValueError(f"drafter {path} was built for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
-                             f"the target has {tc.hidden_size} / {tc.vocab_size}")
-        if max(cfg.target_layer_ids) >= tc.num_hidden_layers - 1:
-            raise ValueError("the drafter reads a target layer the target does not have (or its last layer)")
+        cfg.check_target(target.config, f"drafter {path}")
         d = cls(cfg, target.model.embed_tokens, target.lm_head)
         state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
         missing, unexpected = d.load_state_dict(state, strict=False)
@@ -280,3 +320,22 @@ class Drafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
         return d.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def random(cls, cfg: DrafterConfig, target: nn.Module, device="cpu", dtype=torch.float32,
+               seed: int = 0) -> "Drafter":
+        """A drafter of `cfg` for `target` with dummy weights (loader.fill_random_, the target's
+        rule), allocated directly on `device` at `dtype`; STS is the identity (temperatures 1,
+        shifts 0), as in an uncalibrated checkpoint."""
+        from .loader import fill_random_
+        cfg.check_target(target.config, "the dummy drafter")
+        with torch.device("meta"):
+            d = cls(cfg, target.model.embed_tokens, target.lm_head)
+        d = d.to(dtype).to_empty(device=device)
+        fill_random_(d, seed)
+        with torch.no_grad():
+            d.sts_temperature.fill_(1.0)
+            d.sts_shift.zero_()
+        for p in d.parameters():
+            p.requires_grad_(False)
+        return d.eval()

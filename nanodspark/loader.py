@@ -7,6 +7,13 @@ Save: the inverse, in shards of at most `max_shard_bytes` with an index.
 Tensor / expert parallel (`load_sharded`): each rank builds its local shapes and reads only its
 slices of each tensor through safetensors' `get_slice`, so no rank ever holds the whole model.
 
+Dummy weights (`load_format="dummy"`, vLLM's name): no weight file is read. The model is
+built on the meta device, allocated on its own device at its own dtype (`to_empty`: a
+Qwen3-30B-A3B in bf16 never exists in host memory, nor in fp32) and filled by `fill_random_`,
+the one rule for every model built without a checkpoint (the engine's dummy target and drafter,
+`bench tp`): normal(0, 0.02) from a seeded generator, norm weights 1. A step's cost does not
+depend on the values, so this is what profiles a shape at full size without its checkpoint.
+
 Invariants: every parameter of the model is filled exactly once, with the right shape, or
 loading fails with a message naming the tensor; pickle (`.bin`, `.pt`) is never read.
 Tokenizer: `tokenizer.json` through the `tokenizers` library, ChatML chat formatting, and the
@@ -34,6 +41,8 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
 EOT = "<|endoftext|>"   # end of text: ends a generation here, and a document in the corpus recipe
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("safetensors", "dummy")   # EngineConfig.load_format
+DUMMY_STD = 0.02                          # the dummy weights' standard deviation (norm weights are 1)
 
 
 class CheckpointError(ValueError):
@@ -57,7 +66,8 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     if not files:
         pickles = [p.name for p in model_dir.glob("*") if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {pickles}: pickle checkpoints are not loaded; convert them to safetensors)" if pickles else ""
-        raise CheckpointError(f"no safetensors weights in {model_dir}{hint}")
+        raise CheckpointError(f"no safetensors weights in {model_dir}{hint} (load_format='dummy' runs on random "
+                              "weights from config.json alone)")
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise CheckpointError(f"shards listed in the index are missing: {missing}")
@@ -103,10 +113,57 @@ def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def fill_random_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Dummy weights, in place: every parameter normal(0, DUMMY_STD), every norm weight (a name
+    ending in `norm.weight`: layer norms, q/k norms, the final norm) 1, drawn in `named_parameters`
+    order from one generator seeded with `seed` on the parameters' device, so the same seed on
+    the same device gives the same weights. A tied parameter is filled once. Buffers are the
+    caller's (they are not weights)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, DUMMY_STD, generator=g)
+    return module
+
+
+def dummy_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                layout=None, tp=None, seed: int = 0) -> CausalLM:
+    """A `CausalLM` of `cfg` with dummy weights (`fill_random_`), allocated directly on `device`
+    at `dtype`; with a `sharding.ShardLayout`, this rank's shard (each rank its own draws)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+        if layout is not None:
+            from .sharding import shard_model
+            shard_model(model, layout, tp)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:            # to_empty gives each module its own tensor: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    fill_random_(model, seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for moe in model.moe_layers():         # buffers are not weights
+        moe.expert_load = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
+    return model.eval()
+
+
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", layout=None, tp=None) -> CausalLM:
-    """The whole model; with a `sharding.ShardLayout`, this rank's shard (`load_sharded`)."""
+               device: str | torch.device = "cpu", layout=None, tp=None, load_format: str = "safetensors",
+               seed: int = 0) -> CausalLM:
+    """The whole model; with a `sharding.ShardLayout`, this rank's shard (`load_sharded`).
+    `load_format="dummy"`: only `config.json` is read, the weights are `dummy_model`'s (drawn
+    with `seed`, plus the rank under tensor parallelism)."""
     model_dir = resolve_model_dir(path)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
+    if load_format == "dummy":
+        cfg = ModelConfig.from_json(model_dir)
+        return dummy_model(cfg, dtype, device, layout, tp, seed + (layout.rank if layout is not None else 0))
     if layout is not None:
         return load_sharded(model_dir, layout, tp, dtype, device)
     cfg = ModelConfig.from_json(model_dir)

@@ -39,7 +39,8 @@ class Worker:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.model_dir = model_dir = resolve_model_dir(model_path)
         shard = {} if parallel is None else dict(layout=parallel.layout, tp=parallel.tp)
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, **shard)
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, load_format=cfg.load_format,
+                                seed=cfg.seed, **shard)
         self.model_config = mc = self.model.config
         # the attention of this rank (its own heads): what its KV cache holds
         self.kv_config = mc if parallel is None else local_config(mc, parallel.layout)
@@ -107,15 +108,35 @@ class Worker:
         lin.tune(shapes, self.device)
 
     def _load_drafter(self):
-        from .drafter import Drafter
+        """The drafter: `drafter_path`, else the model's `drafter/` if shipped. With dummy
+        weights only its config.json is read, a model without a drafter gets DSpark's default one
+        (`DrafterConfig.dspark_default`), and `gamma`, if set, is its block size; "none" turns
+        speculation off either way."""
+        import json
+        from pathlib import Path
+        from .drafter import Drafter, DrafterConfig
         path = self.config.drafter_path
+        dummy = self.config.load_format == "dummy"
         if path is None:
             path = self.model_dir / "drafter"
             if not (path / "config.json").exists():
-                return None
+                path = None
+                if not dummy:
+                    return None
         elif str(path).lower() == "none":
             return None
-        d = Drafter.load(path, self.model, self.device, self.dtype)
+        if dummy:
+            if path is None:
+                dcfg = DrafterConfig.dspark_default(self.model_config)
+            else:
+                if not (Path(path) / "config.json").exists():
+                    raise FileNotFoundError(f"{path} has no config.json (a dummy drafter needs its config)")
+                dcfg = DrafterConfig(**json.loads((Path(path) / "config.json").read_text()))
+            if self.config.gamma:         # no trained block size to keep: draft the one asked for
+                dcfg.gamma = self.config.gamma
+            d = Drafter.random(dcfg, self.model, self.device, self.dtype, seed=self.config.seed + 1)
+        else:
+            d = Drafter.load(path, self.model, self.device, self.dtype)
         if self.config.gamma and self.config.gamma != d.config.gamma:
             raise ValueError(f"gamma={self.config.gamma} but the drafter was trained with block size "
                              f"{d.config.gamma}; serve with its own gamma (trim with verify_mode instead)")

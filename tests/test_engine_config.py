@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HINTS = typing.get_type_hints(EngineConfig)
 ENUMS = {"dtype": {"auto", "float32", "bfloat16", "float16"}, "attention_backend": {"auto", "torch", "triton"},
          "verify_mode": {"static", "compact", "cap-accept"}, "dist_backend": {"auto", "gloo", "nccl"},
-         "eplb_policy": {"auto", "hierarchical", "global"}}
+         "eplb_policy": {"auto", "hierarchical", "global"}, "load_format": {"safetensors", "dummy"}}
 
 
 def test_every_field_has_one_line_of_help_and_a_group():

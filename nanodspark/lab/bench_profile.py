@@ -13,11 +13,26 @@ so the table prices verifying, not committing), the batch rebuilt untimed whenev
 tokens (a fixed context). With the overlapped loop a timed step is the time between two steps'
 results, which is what the cost scheduler trades against.
 
+Paper-scale shapes without their checkpoints: `--shape qwen3-8b` (or `qwen3-30b-a3b`) instead
+of `--model` builds the pair from a temporary directory holding only config.json, the default
+tokenizer and DSpark's default drafter config (lab/shapes.py), with random weights
+(`load_format="dummy"`): a step's cost does not depend on the weight values. The table's notes
+say `random_weights` and the shape, and so does the output. (What random weights change: the
+router of a MoE shape spreads tokens over the experts about evenly, and drafts are almost never
+accepted, which the default `--acceptance none` does not read anyway.)
+
+KV memory: `--kv-gb 0` (the default) sizes the cache for the largest batch at the profiled
+context (`kv_blocks_needed`); an explicit `--kv-gb` too small for it is refused before anything
+is timed, since a batch that does not fit would be preempted and rebuilt, never profiled.
+
 Invariants: a profile leaves the engine as it found it (no request, no KV block, no forced
 window, its own verify mode); prefills and rebuilds are never timed; each K is what the target verifies.
 """
 from __future__ import annotations
 
+import json
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +41,8 @@ from .bench_engine import bench_prompts
 
 
 DEFAULT_CONTEXT_SLACK = 16   # tokens a profiled request may grow past its prompt before the batch is rebuilt
+SHAPE_HEADROOM = 1024        # --shape: max_model_len = context + this (a profiled request never nears it)
+KV_MARGIN = 1.1              # automatic KV sizing: blocks for the largest batch, plus this share
 
 
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
@@ -164,15 +181,16 @@ def k_grid(bs: int, gamma: int, points: int = DEFAULT_K_POINTS) -> list[int]:
 
 
 def profile(args) -> dict:
-    from .. import LLM
     from .profile_stats import DEFAULT_TREND_Z, profile_step_cost
+    t_start = time.perf_counter()
     # prefix caching off, as in `bench dspark`: its block hashing is host time per step
     # compact: a forced window below gamma is verified as given
-    llm = LLM(args.model, use_tqdm=False, max_num_seqs=max(args.batch_sizes), kv_cache_memory_gb=args.kv_gb,
-              enable_prefix_cache=False, verify_mode="compact")
+    llm, source = build_profiled_llm(args, drafter=True, verify_mode="compact")
     if llm.engine.drafter is None:
         raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
     g = llm.engine.gamma
+    ks = lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS))   # noqa: E731
+    print_plan(args, {b: ks(b) for b in args.batch_sizes})
     prompts = None
     if getattr(args, "prompts", "random") == "mix":
         ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
@@ -180,13 +198,12 @@ def profile(args) -> dict:
     runner = whole_step_runner(llm, args.context, prompts,
                                commit_drafts=getattr(args, "acceptance", "none") == "traffic")
     try:
-        table = profile_step_cost(runner, args.batch_sizes,
-                                  lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS)),
+        table = profile_step_cost(runner, args.batch_sizes, ks,
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
                                   estimator=getattr(args, "estimator", "rounds"),
                                   trend_z_min=None if getattr(args, "no_trend_gate", False)
                                   else getattr(args, "trend_z", DEFAULT_TREND_Z),
-                                  model_name=str(args.model or "default"), dtype=str(llm.engine.dtype),
+                                  model_name=source["model_name"], dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
@@ -198,18 +215,139 @@ def profile(args) -> dict:
                    "estimator": getattr(args, "estimator", "rounds"),
                    "context_slack": DEFAULT_CONTEXT_SLACK,
                    "rebuilds": getattr(runner, "state", {}).get("rebuilds", 0),
-                   "phases_ms_by_bs": getattr(runner, "phases", {})}
+                   "phases_ms_by_bs": getattr(runner, "phases", {}),
+                   **source["notes"], **finish_notes(llm, t_start)}
     for b, ph in table.notes["phases_ms_by_bs"].items():
         print(f"bs {b}: host ms per step by phase (all K; warm-up round and kernel compiles included) "
               + " ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)     # CostTable.save writes into an existing folder
     table.save(args.out)
-    print(f"saved {args.out}; flat={table.is_flat()}")
+    print(f"saved {args.out}; flat={table.is_flat()}{source['banner']}")
     return table.to_json()
 
 
+# ----------------------------------------------------------------------------- what is profiled
+def kv_blocks_needed(batch: int, context: int, gamma: int, block_size: int,
+                     slack: int = DEFAULT_CONTEXT_SLACK) -> int:
+    """KV blocks per group that `batch` profiled requests hold at most: the context, the slack it
+    may grow before a rebuild, a verify window in flight and the next (anchor + gamma rows
+    each), rounded up to a block, plus the run of blocks a decoding request reserves ahead
+    (scheduler.SETTLE_BLOCKS)."""
+    from ..scheduler import SETTLE_BLOCKS
+    tokens = context + slack + 2 * (1 + gamma) + 1
+    return batch * (-(-tokens // block_size) + SETTLE_BLOCKS)
+
+
+def build_profiled_llm(args, drafter: bool, **engine_kwargs):
+    """(LLM, source) for a profile: the checkpoint of `--model` (or the default pair), or, with
+    `--shape`, the shape's model directory (lab/shapes.py) in a temporary folder and random
+    weights (`load_format="dummy"`). The KV cache holds the largest batch at the profiled
+    context: sized for it when `--kv-gb` is 0, refused if an explicit `--kv-gb` is smaller.
+    `source`: model_name (the table's key), notes (random_weights, shape, kv), banner (printed)."""
+    from .. import LLM
+    from ..config import EngineConfig, ModelConfig
+    from ..drafter import DSPARK_GAMMA
+    from ..loader import resolve_model_dir
+    from .shapes import describe, materialize
+    shape = getattr(args, "shape", None)
+    bs_max, context = max(args.batch_sizes), args.context
+    block_size = EngineConfig().block_size
+    kv_gb = getattr(args, "kv_gb", 0.0) or 0.0
+    kw = dict(use_tqdm=False, max_num_seqs=bs_max, enable_prefix_cache=False, **engine_kwargs)
+    if not drafter:
+        kw["drafter_path"] = "none"
+    with tempfile.TemporaryDirectory(prefix="nanodspark-shape-") as tmp:
+        if shape is not None:
+            model_dir = materialize(shape, Path(tmp) / shape, drafter=drafter)
+            gamma = json.loads((model_dir / "drafter" / "config.json").read_text())["gamma"] if drafter else 0
+            max_model_len = context + SHAPE_HEADROOM
+            # graph tiers at the profiled batch sizes only: each bs replays the tier it would
+            # replay among the default ones (they are default tiers), with far fewer captures
+            kw.update(load_format="dummy", max_model_len=max_model_len,
+                      graph_batch_sizes=tuple(sorted(set(args.batch_sizes))))
+            model_name = f"{shape} (random weights)"
+            banner = f"; RANDOM WEIGHTS ({shape})"
+            print(f"RANDOM WEIGHTS, shape {describe(shape)}" if drafter else
+                  f"RANDOM WEIGHTS, shape {describe(shape).split('; drafter')[0]} (no drafter)")
+        else:
+            model_dir = resolve_model_dir(args.model)
+            dfile = model_dir / "drafter" / "config.json"
+            gamma = (json.loads(dfile.read_text()).get("gamma", DSPARK_GAMMA) if dfile.exists() else DSPARK_GAMMA) \
+                if drafter else 0
+            max_model_len = ModelConfig.from_json(model_dir).max_position_embeddings
+            model_name, banner = str(args.model or "default"), ""
+        need = kv_blocks_needed(bs_max, context, gamma, block_size)
+        one = -(-(max_model_len + 1 + gamma) // block_size) + 1      # one request at the context limit
+        if kv_gb:
+            kw["kv_cache_memory_gb"] = kv_gb
+        else:
+            kw["num_kv_blocks"] = max(int(need * KV_MARGIN) + 1, one)
+        llm = LLM(str(model_dir) if shape is not None else args.model, **kw)
+    eng = llm.engine
+    have = eng.worker.num_blocks
+    if have < need:
+        per_block = kv_bytes(eng) / have
+        raise SystemExit(f"--kv-gb {kv_gb} holds {have} KV blocks per group; batch {bs_max} at context {context} "
+                         f"needs {need} ({need * per_block / 2**30:.2f} GiB): raise --kv-gb, or pass 0 to size it "
+                         "automatically")
+    mem = memory_report(eng)
+    print(f"memory: target weights {mem['target_weights_gib']:.2f} GiB, drafter {mem['drafter_weights_gib']:.2f} GiB, "
+          f"KV {mem['kv_gib']:.2f} GiB = {have} blocks x {block_size} tokens per group (batch {bs_max} at context "
+          f"{context} needs {need}); CUDA graphs and activations come on top")
+    notes = {"random_weights": shape is not None, "shape": shape, "kv_blocks": have, "kv_blocks_needed": need,
+             **mem}
+    return llm, {"model_name": model_name, "notes": notes, "banner": banner}
+
+
+def kv_bytes(eng) -> int:
+    """Bytes of the engine's KV caches: the target's groups and the drafter's context cache."""
+    w = eng.worker
+    caches = list(w.kv_cache.tensors.values()) + ([w.draft_cache] if w.draft_cache is not None else [])
+    return sum(t.numel() * t.element_size() for t in caches)
+
+
+def memory_report(eng) -> dict:
+    """GiB of the target's weights, the drafter's (the shared embedding and head counted once,
+    with the target) and the KV caches, as allocated."""
+    def size(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+    return {"target_weights_gib": round(size(eng.model) / 2**30, 3),
+            "drafter_weights_gib": round(size(eng.drafter) / 2**30, 3),
+            "kv_gib": round(kv_bytes(eng) / 2**30, 3)}
+
+
+def print_plan(args, ks: dict[int, list[int]]) -> None:
+    """How many engine steps the profile runs (its warm-up round and settle steps included; the
+    untimed prefills of each rebuild are not), before it starts."""
+    from .profile_stats import DEFAULT_SETTLE, DEFAULT_WARMUP
+    points = sum(len(v) for v in ks.values())
+    steps = points * (DEFAULT_WARMUP + args.repeats * (1 + DEFAULT_SETTLE))
+    print(f"plan: {points} (bs, K) points, {steps} engine steps ({args.repeats} timed rounds)")
+
+
+def finish_notes(llm, t_start: float) -> dict:
+    """What the run cost: its wall seconds (start-up, capture and rebuilds included) and, on
+    CUDA, the peak memory allocated."""
+    out = {"wall_s": round(time.perf_counter() - t_start, 1)}
+    dev = llm.engine.device
+    if dev.type == "cuda":
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    print("run: " + ", ".join(f"{k} {v}" for k, v in out.items()))
+    return out
+
+
+def add_source_args(p, default_help: str) -> None:
+    """--model DIR or --shape NAME (random weights), not both."""
+    from .shapes import SHAPES
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help=f"target checkpoint directory; none: {default_help}")
+    g.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a model shape with random weights, no checkpoint (lab/shapes.py): step costs at paper "
+                        "scale")
+
+
 def add_profile_args(p) -> None:
-    p.add_argument("--model", default=None, help="target checkpoint directory; none: the shipped default pair")
+    add_source_args(p, "the shipped default pair")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256], help="batch sizes profiled")
     p.add_argument("--context", type=int, default=256,
                    help="prompt tokens per request (mix prompts are cut to their last --context tokens)")
@@ -234,5 +372,6 @@ def add_profile_args(p) -> None:
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--repeats", type=int, default=5, help="rounds per point; the estimator combines them")
-    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory (GB)")
+    p.add_argument("--kv-gb", type=float, default=0.0,
+                   help="KV cache memory (GiB); 0 = sized for the largest batch at the context")
     p.add_argument("--out", default="cost_table.json", help="the cost table (JSON) to write")

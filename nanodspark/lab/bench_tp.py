@@ -13,8 +13,8 @@ otherwise). The all-reduce time per step is the step's own collectives (2L + 1 a
 
 Shapes: `qwen3-8b` (36 layers, hidden 4096, 32 q / 8 kv heads, dense MLP 12288, vocab 151936)
 and `qwen3-30b-a3b` (48 layers, hidden 2048, 32 q / 4 kv heads, 128 experts top-8 of 768,
-vocab 151936); `--layers N` keeps the first N layers so a run fits its time budget; `tiny` is
-for the CPU test. TP 1 runs twice: without a process group (`world1: false`, the one-process
+vocab 151936), from `lab/shapes.py`; `--layers N` keeps the first N layers so a run fits its
+time budget; `tiny` is for the CPU test. TP 1 runs twice: without a process group (`world1: false`, the one-process
 engine) and through the collectives with a world of 1 (`world1: true`, the code path of the
 TP runs), so one GPU measures what the collectives' plumbing costs by itself.
 
@@ -28,20 +28,7 @@ import json
 import statistics
 import time
 
-SHAPES = {
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
-                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1000000.0,
-                          max_position_embeddings=40960),
-    "tiny": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                 mlp_only_layers=[0]),
-}
+from .shapes import SHAPES, shape_config   # the shapes (random weights) are shared with `bench profile`
 
 
 def add_tp_args(p) -> None:
@@ -155,28 +142,11 @@ def _run_rank(rank, size, port, cuda, a) -> list[dict]:
 
 
 def _random_model(shape, layers, layout, tp, device, dtype):
-    import torch
+    """This rank's shard of `shape` with dummy weights (loader.dummy_model: the engine's rule)."""
     from ..config import ModelConfig
-    from ..sharding import shard_model
-    from ..model import CausalLM
-    d = dict(SHAPES[shape])
-    if layers:
-        d["num_hidden_layers"] = min(layers, d["num_hidden_layers"])
-    cfg = ModelConfig.from_dict(d)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-        shard_model(model, layout, tp)
-    model = model.to(dtype).to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(1234 + layout.rank)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    for moe in model.moe_layers():
-        moe.expert_load = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
-    return model.eval(), cfg
+    from ..loader import dummy_model
+    cfg = ModelConfig.from_dict(shape_config(shape, layers))
+    return dummy_model(cfg, dtype, device, layout, tp, seed=1234 + layout.rank), cfg
 
 
 def _measure(model, cfg, layout, group, tp, batch, a, device, dtype, cuda, shape) -> dict:

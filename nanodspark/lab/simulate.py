@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,12 +447,13 @@ def profile_plain(args) -> dict:
     """T(R, 0) of the target alone: real `engine.step()` calls of R decoding requests, timed
     with `profile_stats.profile_step_cost` (rounds, K = 0 only), saved as a CostTable whose
     model name ends in " (no drafter)"."""
-    from .. import LLM
     from ..sampling import SamplingParams
+    from .bench_profile import build_profiled_llm, finish_notes, print_plan
     from .profile_stats import profile_step_cost
-    llm = LLM(args.model, drafter_path="none", use_tqdm=False, max_num_seqs=max(args.batch_sizes),
-              kv_cache_memory_gb=args.kv_gb, enable_prefix_cache=False)
+    t_start = time.perf_counter()
+    llm, source = build_profiled_llm(args, drafter=False)   # --shape: random weights (bench_profile.py)
     eng = llm.engine
+    print_plan(args, {b: [0] for b in args.batch_sizes})
     eng.overlap = False                      # synchronous steps: each timed call is one step
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - args.context - 1), ignore_eos=True)
@@ -477,22 +479,25 @@ def profile_plain(args) -> dict:
         sync()
     run_step.prepare = prepare
     table = profile_step_cost(run_step, args.batch_sizes, [0], repeats=args.repeats, trend_z_min=None,
-                              model_name=f"{args.model or 'default'} (no drafter)", dtype=str(eng.dtype),
+                              model_name=f"{source['model_name']} (no drafter)", dtype=str(eng.dtype),
                               device=eng.device.type)
     for r in state["reqs"]:
         eng.abort(r.request_id)
-    table.notes = {"context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats}
+    table.notes = {"context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats,
+                   **source["notes"], **finish_notes(llm, t_start)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.save(args.out)
-    print(f"saved {args.out}")
+    print(f"saved {args.out}{source['banner']}")
     return table.to_json()
 
 
 def add_profile_plain_args(p) -> None:
-    p.add_argument("--model", default=None, help="target checkpoint directory; none: the shipped default")
+    from .bench_profile import add_source_args
+    add_source_args(p, "the shipped default")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256],
                    help="batch sizes profiled")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request (random ids)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per batch size (median)")
-    p.add_argument("--kv-gb", type=float, default=4.0, help="KV cache memory (GB)")
+    p.add_argument("--kv-gb", type=float, default=0.0,
+                   help="KV cache memory (GiB); 0 = sized for the largest batch at the context")
     p.add_argument("--out", default="plain_table.json", help="the plain cost table (JSON) to write")
