@@ -53,6 +53,11 @@ def test_a_missing_block_or_an_unknown_one_fails_the_check(tmp_path):
     bad = report.problems(root, page, FIGURES)
     assert any("'tp'" in b and "no block" in b for b in bad)
     assert any("'no-such-figure'" in b for b in bad)
+    (root / "benchmarks" / "eplb_h200.json").write_text('{"command": "x", "rows": []}')
+    bad = report.problems(root, page, FIGURES)
+    assert any("'eplb'" in b and "cannot be read" in b and "eplb_h200.json" in b for b in bad)
+    (root / "benchmarks" / "sampling_h200.json").unlink()
+    assert any("sampling_h200.json does not exist" in b for b in report.problems(root, page, FIGURES))
 
 
 def test_every_result_file_the_page_names_exists_and_records_a_command():

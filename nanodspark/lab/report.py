@@ -5,16 +5,16 @@ is a `Figure` in `FIGURES` (nanodspark/lab/report_figures.py): a name, the JSON 
 the hardware, and rows of cell templates. A cell template is text with queries in angle
 brackets, `<expr|fmt>`: `expr` is a path into the JSON, or paths and numbers joined by
 ` + `, ` - `, ` * `, ` / ` (spaces around the operator), and `fmt` a Python format spec. A path
-is dotted keys (`*`: the one value of a one-key dict); `key[a=1,b=null]` picks the one element of a list whose fields match
-(`null` matches None, `*` anything but None; on a list of lists the field names are indices);
-`key[3]` indexes. With several files, a path starts with the file's alias, `http:sweep[...]`.
-`{name}` in a template is replaced by the row's parameter before the queries run.
+is dotted keys (`*`: the one value of a one-key dict); `key[a=1,b=null]` picks the one element
+of a list whose fields match (`null` matches None, `*` anything but None; on a list of lists the
+field names are indices); `key[3]` indexes. With several files, a path starts with the file's
+alias, `http:sweep[...]`. `{name}` in a template is replaced by the row's parameter first.
 
 On the page each table sits between `<!-- report:NAME -->` and `<!-- /report -->`, followed by a
 line naming the hardware, the JSON file(s) and the command each recorded (its `command`,
-`commands`, `argv`, or a cost table's `notes.command`; `argv` of a bench script is written as
-the `python -m nanodspark.bench` call it is today, a recipe under its `nanodspark.lab.recipes` path,
-and the device's output folder as `$OUT`).
+`commands`, `argv`, or a cost table's `notes.command`), written as it runs today: a bench
+script's `argv` as `python -m nanodspark.bench`, a recipe under `nanodspark.lab.recipes`, the
+device's output folder as `$OUT`. A figure may give its command in words instead.
 
     python -m nanodspark.bench report            print every table
     python -m nanodspark.bench report --write    regenerate the blocks of the page in place
@@ -209,13 +209,19 @@ def problems(root: Path, page: Path, figures) -> list[str]:
     for fig in figures:
         for alias, rel in fig.files.items():
             path = root / rel
-            if path.exists() and recorded_command(json.loads(path.read_text())) is None and not fig.command:
+            if not path.exists():
+                bad.append(f"figure {fig.name!r}: {rel} does not exist")
+            elif recorded_command(json.loads(path.read_text())) is None and not fig.command:
                 bad.append(f"figure {fig.name!r}: {rel} records no command")
         if fig.name not in found:
             bad.append(f"figure {fig.name!r} ({', '.join(fig.files.values())}): no block on {page.name}")
             continue
         a, b = found[fig.name]
-        want, have = render(fig, root), lines[a:b]
+        try:
+            want, have = render(fig, root), lines[a:b]
+        except (SystemExit, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+            bad.append(f"figure {fig.name!r} ({', '.join(fig.files.values())}) cannot be read from its JSON: {e}")
+            continue
         if want != have:
             diff = next((i for i, (w, h) in enumerate(zip(want, have)) if w != h), min(len(want), len(have)))
             bad.append(f"figure {fig.name!r} ({', '.join(fig.files.values())}) differs from its JSON at block "

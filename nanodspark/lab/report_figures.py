@@ -4,7 +4,6 @@ blocks from these; `--check` fails when a block and its JSON disagree."""
 from .report import Figure
 
 H200 = "One NVIDIA H200, torch 2.11.0+cu130, Triton 3.6.0"
-CPU = "CPU, 2 shared cores, float32"
 BATCHES = [{"b": b} for b in (1, 16, 64, 256)]
 
 KERNEL_ROWS = [{"b": b, "c": c, "q": q} for b, c in ((8, 8192), (8, 32768), (64, 8192), (64, 32768),
