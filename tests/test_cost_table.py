@@ -226,13 +226,13 @@ def test_gate_flattens_a_noise_slope_and_keeps_a_real_one():
         assert t.measurements[(256, 1280)] > t.measurements[(256, 0)] and t.notes["flattened"] == []
 
 
-def test_gate_on_the_previous_h200_profile():
-    """The previous H200 table (benchmarks/archive/cost_table_h200_rounds_committing_drafts.json,
-    measured before the gate and while committing drafts): the
+def test_gate_on_an_ungated_h200_profile():
+    """An H200 table profiled without the trend gate and while committing drafts
+    (tests/data/cost_table_h200_ungated.json): the
     rise with K is significant at bs 1-64 and not at 128 and 256, whose isotonic rows rose
-    12-13 % on a single slow last point (chapter 09 section 5a)."""
+    12-13 % on a single slow last point (walkthrough/results/economics.md)."""
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "archive" / "cost_table_h200_rounds_committing_drafts.json"
+    path = Path(__file__).resolve().parent / "data" / "cost_table_h200_ungated.json"
     t = CostTable.from_json(next(iter(json.loads(path.read_text()).values())))
     before = {b: t.measurements[(b, 5 * b)] / t.measurements[(b, 0)] for b in (64, 256)}
     zs = gate_by_trend(t)

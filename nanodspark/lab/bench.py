@@ -591,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_args(sp)
         sp.set_defaults(func=lambda a, run=run: run(a) and 0)   # the result is data; exit status 0
+    from . import report as rp
+    r = sub.add_parser("report", help="the results page's tables from the committed JSON: print, --write "
+                       "the page's blocks, or --check them (no GPU)", formatter_class=defaults)
+    rp.add_report_args(r)
+    r.set_defaults(func=rp.report)                             # --check's exit status is the answer
     return p
 
 

@@ -1,0 +1,253 @@
+"""The tables of walkthrough/09_results.md, declared: which JSON each reads and where (the query
+language is in report.py). `python -m nanodspark.bench report --write` regenerates the page's
+blocks from these; `--check` fails when a block and its JSON disagree."""
+from .report import Figure
+
+H200 = "One NVIDIA H200, torch 2.11.0+cu130, Triton 3.6.0"
+BATCHES = [{"b": b} for b in (1, 16, 64, 256)]
+
+KERNEL_ROWS = [{"b": b, "c": c, "q": q} for b, c in ((8, 8192), (8, 32768), (64, 8192), (64, 32768),
+                                                      (256, 8192), (256, 32768)) for q in (1, 4, 8)]
+_K = "rows[batch={b},ctx={c},q_len={q}]"
+
+_SPEED = "rows[system={loop},batch={b},drafter={d}]"
+_PLAIN, _SPEC = _SPEED.replace("{d}", "null"), _SPEED.replace("{d}", "*")
+PAIR_ROW = ["{loop_name}", "{b}", f"<{_PLAIN}.tokens_per_second|,.0f>",
+            f"<{_SPEC}.tokens_per_second|,.0f> (<{_SPEC}.tau|.2f>)",
+            f"<{_SPEC}.tokens_per_second / {_PLAIN}.tokens_per_second|.2f>",
+            f"<{_PLAIN}.profile.step_ms|.2f> / <{_SPEC}.profile.step_ms|.2f>",
+            f"<{_PLAIN}.profile.gpu_idle_ms_per_step / {_PLAIN}.profile.step_ms * 100|.0f> % · "
+            f"<{_SPEC}.profile.gpu_idle_ms_per_step / {_SPEC}.profile.step_ms * 100|.0f> %"]
+PAIR_HEADER = ["loop", "batch", "tok/s, no drafter", "tok/s, drafter (τ)", "spec / plain",
+               "step ms, plain / spec", "GPU idle per step, plain · spec"]
+PAIR_OVER = [{"loop": loop, "loop_name": name, "b": b} for loop, name in (("graphs", "graphs, sync"),
+                                                                         ("overlap", "overlap"))
+             for b in (1, 16, 64, 256)]
+
+_HL = "runs.{run}[batch={b}]"
+_PHASES = " / ".join(f"<{_HL}.{p}|.2f>" for p in ("schedule", "launch_less_forward", "result", "commit"))
+
+_SS = "sweep[mode={m},concurrency={c}].total_tok_s"
+_PAIRED = "paired[concurrency={c},ratio={r}].median"
+_G = "sweep[mode={m},concurrency={c}].total_tok_s"
+
+_SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requests at 32",
+           "cpu_300": "CPU, 300 requests at 32", "cpu_2000": "CPU, 2,000 requests at 64",
+           "cpu_2000_seed1": "CPU, 2,000 requests at 64, a second call (`--seed 1`)",
+           "h200": "H200, 2,000 requests at 64"}
+
+FIGURES = [
+    Figure("kernels", {"k": "benchmarks/kernels_h200.json"}, H200 + " (Qwen3-8B attention shape, bf16, pages of 16)",
+           ["batch", "context", "q_len", "Triton, graph µs", "% of copy bandwidth (graph)", "SDPA, graph µs",
+            "SDPA / Triton (graph)"],
+           [["{b}", "{c}", "{q}", f"<{_K}.triton_graph_us|.1f>",
+             f"<{_K}.bytes / {_K}.triton_graph_us / copy_GBps / 10|.0f>",
+             f"<{_K}.sdpa_graph_us|.1f>", f"<{_K}.sdpa_graph_us / {_K}.triton_graph_us|.2f>"]], KERNEL_ROWS),
+
+    Figure("engine-vs-transformers", {"e": "benchmarks/engine_speed_qwen3_0.6b_h200.json"},
+           H200 + "; Qwen3-0.6B shape, random weights, 128 random-token prompts, 64 new tokens, greedy, "
+           "prefill included, prefix cache off, medians of 3",
+           ["batch", "transformers, static cache (compiled), tok/s", "graphs, sync, tok/s (× hf)",
+            "graphs + overlap, tok/s (× hf)", "GPU idle per step, sync · overlap"],
+           [["{b}", "<rows[system=hf-static,batch={b}].tokens_per_second|,.0f>",
+             "<rows[system=graphs,batch={b}].tokens_per_second|,.0f> (<ratios[system=graphs,batch={b}].over_hf_static|.2f>)",
+             "<rows[system=overlap,batch={b}].tokens_per_second|,.0f> (<ratios[system=overlap,batch={b}].over_hf_static|.2f>)",
+             "<rows[system=graphs,batch={b}].profile.gpu_idle_ms_per_step / rows[system=graphs,batch={b}].profile.step_ms"
+             " * 100|.0f> % · <rows[system=overlap,batch={b}].profile.gpu_idle_ms_per_step / "
+             "rows[system=overlap,batch={b}].profile.step_ms * 100|.0f> %"]], BATCHES),
+
+    Figure("prefill-chunk", {"e": "benchmarks/engine_chunk_ab_qwen3_h200.json"},
+           H200 + "; Qwen3-0.6B shape, random weights, overlapped loop, one call",
+           ["batch", "chunk 2,048, tok/s", "chunk 8,192, tok/s", "8,192 / 2,048"],
+           [["{b}", "<runs.2048.rows[batch={b}].tokens_per_second|,.0f>",
+             "<runs.8192.rows[batch={b}].tokens_per_second|,.0f>",
+             "<runs.8192.rows[batch={b}].tokens_per_second / runs.2048.rows[batch={b}].tokens_per_second|.2f>"]],
+           [{"b": 64}, {"b": 256}]),
+
+    Figure("default-pair-speed", {"e": "benchmarks/engine_speed_default_pair_h200.json"},
+           H200 + "; the default pair, mixed-workload prompts cut to 128 tokens, 64 new tokens, greedy, prefix "
+           "cache off, medians of 3", PAIR_HEADER, [PAIR_ROW], PAIR_OVER),
+
+    Figure("smollm2-pair-speed", {"e": "benchmarks/engine_speed_smollm2_pair_h200.json"},
+           H200 + "; SmolLM2-135M-Instruct (pretrained weights) and a DSpark drafter trained for it, mix prompts, "
+           "64 new tokens, greedy, prefill chunk 2,048", PAIR_HEADER, [PAIR_ROW], PAIR_OVER,
+           command="`python -m nanodspark.bench engine --model .carry/smol --drafter .carry/smol_dr/dspark --prompts mix "
+                   "--systems graphs overlap --batches 1 16 64 256 --repeats 3 --profile-steps 6 --out "
+                   "$OUT/engine_smol.json` (the file's `argv` names the same folders under `/tmp/t`)"),
+
+    Figure("host-light-phases", {"h": "benchmarks/host_light_h200.json"},
+           H200 + " (its 16-core host); the default pair with its drafter, synchronous step, medians of 12 steps × 3 "
+           "repeats, before and after alternating in one call",
+           ["engine, round", "batch 64: schedule / launch less the forward / result / commit", "batch 64 total",
+            "batch 256: schedule / launch less the forward / result / commit", "batch 256 total"],
+           [["{name}", _PHASES.replace("{b}", "64"), f"<{_HL}.total|.2f>".replace("{b}", "64"),
+             _PHASES.replace("{b}", "256"), f"<{_HL}.total|.2f>".replace("{b}", "256")]],
+           [{"run": "host_old_1", "name": "before, 1"}, {"run": "host_old_2", "name": "before, 2"},
+            {"run": "host_new_1", "name": "after, 1"}, {"run": "host_new_2", "name": "after, 2"},
+            {"run": "host_old_stream", "name": "before, text streamed in the engine"},
+            {"run": "host_new_stream", "name": "after, text streamed in the engine"}],
+           command="`bash tests/device/measure.sh step` (its `bench host` lines, each in the file's `commands`: "
+                   "`python -m nanodspark.bench host --batches 64 256 --steps 12 --repeats 3`, with `--stream-text` for "
+                   "text streamed; the engine before, from its own folder, with `--offline` for no text in the step)"),
+
+    Figure("host-light-engine", {"e": "benchmarks/engine_host_light_h200.json"},
+           H200 + "; `bench engine`, the default target without its drafter, overlapped loop, 128 random-token "
+           "prompts, 128 new tokens, prefill included, prefix cache off, medians of 3",
+           ["engine, round", "batch 64 tok/s", "batch 256 tok/s", "GPU busy, 64 · 256"],
+           [["{name}", "<runs.{run}.rows[batch=64,drafter=null].tokens_per_second|,.0f>",
+             "<runs.{run}.rows[batch=256,drafter=null].tokens_per_second|,.0f>",
+             "<runs.{run}.rows[batch=64,drafter=null].profile.gpu_busy|.2f> · "
+             "<runs.{run}.rows[batch=256,drafter=null].profile.gpu_busy|.2f>"]],
+           [{"run": "engine_old_1", "name": "before, 1"}, {"run": "engine_old_2", "name": "before, 2"},
+            {"run": "engine_new_1", "name": "after, 1"}, {"run": "engine_new_2", "name": "after, 2"}],
+           command="`bash tests/device/measure.sh step` (its `bench engine` lines; each run's `argv` is in the file)"),
+
+    Figure("gpu-busy-256", {"e": "benchmarks/engine_busy_256_h200.json"},
+           H200 + "; the default pair at batch 256, overlapped loop, no text in the step, 128 new tokens, medians of 2",
+           ["drafter", "tok/s", "τ", "step ms", "GPU busy"],
+           [["no", "<rows[drafter=null].tokens_per_second|,.0f>", "–", "<rows[drafter=null].profile.step_ms|.2f>",
+             "<rows[drafter=null].profile.gpu_busy|.2f>"],
+            ["yes", "<rows[drafter=*].tokens_per_second|,.0f>", "<rows[drafter=*].tau|.2f>",
+             "<rows[drafter=*].profile.step_ms|.2f>", "<rows[drafter=*].profile.gpu_busy|.2f>"]]),
+
+    Figure("serve-http", {"http": "benchmarks/serve_http_h200.json", "same": "benchmarks/steady_state_default_pair_h200.json",
+                          "other": "benchmarks/serve_engine_h200.json"},
+           H200 + "; closed loop, mix workload, greedy, 128 ± 25 % new tokens, prefix cache off, one 5 s window "
+           "(6 s for the separate in-process call) after a warm-up",
+           ["total tok/s", "c = 64, no drafter", "c = 64, drafter", "c = 256, no drafter", "c = 256, drafter"],
+           [["`serve.py` over HTTP"] + [f"<http:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
+                                        for c in ("64", "256") for m in ("no-spec", "static")],
+            ["the engine in-process, same device call"] + [f"<same:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
+                                                           for c in ("64", "256") for m in ("no-spec", "static")],
+            ["the engine in-process, a separate call"] + [f"<other:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
+                                                          for c in ("64", "256") for m in ("no-spec", "static")],
+            ["TTFT p50 ms, HTTP · in-process (same call)"] + [
+                f"<http:sweep[mode={m},concurrency={c}].ttft_ms.p50|.0f> · <same:sweep[mode={m},concurrency={c}].ttft_ms.p50|.0f>"
+                for c in ("64", "256") for m in ("no-spec", "static")]]),
+
+    Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
+           "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",
+           ["run", "requests ok", "errors (5xx or dropped)", "fault replies not as expected", "latency p50 / p99 s", "output tok/s",
+            "leaked KV blocks", "resident MiB, after warm-up → end"],
+           [[name, f"<{k}:requests_ok|,>", f"<{k}:errors|>", f"<{k}:fault_mismatch|>",
+             f"<{k}:latency_p50_s|.2f> / <{k}:latency_p99_s|.2f>", f"<{k}:output_tokens_per_s|,.0f>",
+             f"<{k}:leaked_kv_blocks|.0f>",
+             f"<{k}:memory_start.resident_bytes / 1048576|,.0f> → <{k}:memory_end.resident_bytes / 1048576|,.0f>"]
+            for k, name in _SERVER.items()]),
+
+    Figure("thesis-steady-state", {"s": "benchmarks/steady_state_default_pair_h200.json"},
+           H200 + "; the default pair in-process, closed loop, mix workload, greedy, one 5 s window per engine; "
+           "compact ran without a cost table (its profile in the same call failed), so it verified full blocks",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static-b tok/s",
+            "static / no-spec", "compact / static", "A/A: static-b / static"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact", "static-b")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static", "static-b/static")]],
+           [{"c": 16}, {"c": 64}, {"c": 256}]),
+
+    Figure("graphs-profile", {"t": "benchmarks/cost_table_graphs_h200.json"},
+           H200 + "; the default pair, whole steps with CUDA graphs and the overlapped loop, context 256, 2 repeats",
+           ["batch", "measured ms per step, K = 0", "measured, full blocks (K = 5 × batch)", "trend z",
+            "in the table (flattened by the gate), every K", "host ms: schedule / launch / wait / commit"],
+           [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
+             "<*.notes.trend_z.{b}|.2f>", "<*.measurements[0={b},1=0].2 * 1000|.2f>",
+             " / ".join(f"<*.notes.phases_ms_by_bs.{{b}}.{p}|.2f>"
+                        for p in ("schedule", "launch", "wait", "commit"))]],
+           [{"b": 1, "k": 5}, {"b": 64, "k": 320}, {"b": 128, "k": 640}]),
+
+    Figure("graphs-sweep", {"d": "benchmarks/dspark_graphs_h200.json"},
+           H200 + "; the default pair, mix workload, greedy, 2 repeats, on the profile above",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec",
+            "compact / static, paired median (min–max)"],
+           [["{c}", "<" + _G.replace("{m}", "no-spec") + "|,.0f>", "<" + _G.replace("{m}", "static") + "|,.0f>",
+             "<" + _G.replace("{m}", "compact") + "|,.0f>",
+             "<" + _G.replace("{m}", "static") + " / " + _G.replace("{m}", "no-spec") + "|.2f>",
+             "<paired_compact_over_static[concurrency={c}].compact_over_static|.2f> "
+             "(<paired_compact_over_static[concurrency={c}].min|.2f>–<paired_compact_over_static[concurrency={c}].max|.2f>)"]],
+           [{"c": 64}, {"c": 256}]),
+
+    Figure("shipped-profile", {"t": "benchmarks/cost_table_h200.json"},
+           H200 + "; the default pair, whole eager steps, context 256, no draft committed, 7 repeats, trend gate",
+           ["batch", "ms per step, K = 0", "ms per step, full blocks", "full / K = 0"],
+           [["{b}", "<*.measurements[0={b},1=0].2 * 1000|.1f>",
+             "<*.measurements[0={b},1={k}].2 * 1000|.1f>",
+             "<*.measurements[0={b},1={k}].2 / "
+             "*.measurements[0={b},1=0].2|.2f>"]],
+           [{"b": b, "k": 5 * b} for b in (1, 4, 16, 64, 128, 256)]),
+
+    Figure("drafter-tau", {"r": "benchmarks/drafter/train_heads_report.json"},
+           "One NVIDIA H200; the shipped drafter and its step-matched DFlash ablation, static full blocks, "
+           "40 prompts per workload, 96 new tokens",
+           ["workload", "DSpark τ, T = 0 / 1", "DFlash τ, T = 0 / 1", "DSpark / DFlash, T = 0 / 1"],
+           [["{w}", "<tau.dspark.{w}.T=0.tau|.2f> / <tau.dspark.{w}.T=1.tau|.2f>",
+             "<tau.dflash.{w}.T=0.tau|.2f> / <tau.dflash.{w}.T=1.tau|.2f>",
+             "<tau.dspark.{w}.T=0.tau / tau.dflash.{w}.T=0.tau|.2f> / <tau.dspark.{w}.T=1.tau / tau.dflash.{w}.T=1.tau|.2f>"]],
+           [{"w": w} for w in ("math", "chat", "poetry", "code")],
+           command="`python train_heads.py --out runs/gpu/drafter --data-dir .carry/data --phases calibrate,eval "
+                   "--eval-n 40` (the file's `argv`; the training call before it is in `benchmarks/INDEX.md`)"),
+
+    Figure("calibration-ece", {"r": "benchmarks/drafter/train_heads_report.json"},
+           "One NVIDIA H200; ECE of the survival per draft position, 272 prompts to fit and 272 held out, T = 1",
+           ["", "pos 1", "2", "3", "4", "5"],
+           [["plain STS"] + [f"<calibration.plain.after[{i}].ece * 100|.2f> %" for i in range(5)],
+            ["STS + shift (shipped)"] + [f"<calibration.shifted.after[{i}].ece * 100|.2f> %" for i in range(5)]]),
+
+    Figure("sampling", {"s": "benchmarks/sampling_h200.json"},
+           H200 + "; the default pair, T = 1, 128 new tokens, medians of 5",
+           ["batch", "rejection tok/s", "coupled tok/s", "coupled, batch-invariant tok/s",
+            "reproducible / fastest"],
+           [["{b}", "<batches[batch={b}].rejection.tok_s|,.0f>", "<batches[batch={b}].coupled.tok_s|,.0f>",
+             "<batches[batch={b}].coupled-bi.tok_s|,.0f>", "<batches[batch={b}].reproducible_over_fastest_tok_s|.2f>"]],
+           [{"b": 1}, {"b": 64}, {"b": 256}]),
+
+    Figure("swa-prefill", {"s": "benchmarks/swa_h200.json"},
+           H200 + ", bf16; a Qwen3-0.6B-shaped hybrid with random weights (14 of 28 layers sliding, window 128); "
+           "a follow-up of 32 answer + 64 new tokens after a shared prefix",
+           ["follow-up after a prefix of", "2k: rows / TTFT ms", "8k: rows / TTFT ms", "32k: rows / TTFT ms"],
+           [["{name}"] + [f"<prefill.rows[random_weights=true,mode={{mode}},prefix={p}].prefilled|,> / "
+                          f"<prefill.rows[random_weights=true,mode={{mode}},prefix={p}].ttft_ms|.1f>"
+                          for p in (2048, 8192, 32768)]],
+           [{"mode": "no-cache", "name": "no prefix cache"}, {"mode": "exact", "name": "prefix cache + exact replay"},
+            {"mode": "bounded", "name": "+ bounded replay"}, {"mode": "snapshot", "name": "+ snapshot"}]),
+
+    Figure("swa-drift", {"s": "benchmarks/swa_h200.json"},
+           H200 + ", bf16; the default pair, 80 MT-bench second turns, against exact replay",
+           ["setting", "next-token KL mean / max", "top-1 agree", "continuation identical", "τ"],
+           [["{s}", "<drift.rows[setting={s}].kl_mean|.1e> / "
+             "<drift.rows[setting={s}].kl_max|.1e>", "<drift.rows[setting={s}].top1_agree * 100|.0f> %",
+             "<drift.rows[setting={s}].continuation_identical * 100|.1f> %", "<drift.rows[setting={s}].tau|.3f>"]],
+           [{"s": s} for s in ("exact", "bounded 128", "bounded auto", "bounded 256", "snapshot")]),
+
+    Figure("eplb", {"e": "benchmarks/eplb_h200.json"},
+           H200 + "; simulated EP 8, balance on held-out steps",
+           ["routing", "balancedness before", "after, + 0 / + 8 / + 32 redundant", "straggler after, + 0 / + 8 / + 32"],
+           [["{name}", "<rows[source={src},ep_size=8,redundant=0].balancedness_before|.3f>",
+             " / ".join(f"<rows[source={{src}},ep_size=8,redundant={r}].balancedness_after|.3f>" for r in (0, 8, 32)),
+             " / ".join(f"<rows[source={{src}},ep_size=8,redundant={r}].straggler_after|.2f>" for r in (0, 8, 32))]],
+           [{"src": "default:mix", "name": "default target (8 experts), mixed prompts"},
+            {"src": "qwen3-30b-a3b-shaped:mix", "name": "Qwen3-30B-A3B-shaped stack (128 experts, top-8, random "
+                                                       "weights, skewed router)"}]),
+
+    Figure("eplb-engine", {"e": "benchmarks/eplb_h200.json"},
+           H200 + "; a running engine, 32 requests, CUDA graphs, overlapped loop, rebalanced every 16 steps",
+           ["greedy output identical", "rebalance, median ms", "step ms: off / replica map / map + recording",
+            "recording's share of a step"],
+           [["<engine.greedy_identical>", "<engine.rebalance_seconds.median * 1000|.1f>",
+             "<engine.step_ms.off|.2f> / <engine.step_ms.map_only|.2f> / <engine.step_ms.map_and_record|.2f>",
+             "<engine.recording_share_of_step * 100|.2f> %"]]),
+
+    Figure("tp", {"t": "benchmarks/tp_h200.json"},
+           H200 + ", bf16, random weights; the target's decode step alone, CUDA-graph replay, 1,024 cached tokens, "
+           "median of 30 steps",
+           ["shape", "batch 1: ms / tok/s", "batch 64: ms / tok/s", "world of 1 through the collectives, b1 / b64 ms"],
+           [["{name}", "<rows[shape={s},world1=false,batch=1].step_ms|.2f> / <rows[shape={s},world1=false,batch=1].tok_s|,.0f>",
+             "<rows[shape={s},world1=false,batch=64].step_ms|.2f> / <rows[shape={s},world1=false,batch=64].tok_s|,.0f>",
+             "<rows[shape={s},world1=true,batch=1].step_ms|.2f> / <rows[shape={s},world1=true,batch=64].step_ms|.2f>"]],
+           [{"s": "qwen3-8b", "name": "Qwen3-8B, 36 layers"}, {"s": "qwen3-30b-a3b", "name": "Qwen3-30B-A3B, 48 layers"}]),
+
+    Figure("default-target", {"t": "benchmarks/default_target_train_log.json"},
+           "One NVIDIA H200; the shipped default target's training run",
+           ["parameters", "steps", "tokens", "seconds", "validation loss (nats/token): math / code / chat / "
+            "shakespeare / poetry"],
+           [["<params|,>", "<steps|,>", "<tokens|,>", "<train_seconds|.0f>",
+             " / ".join(f"<final_val.{d}|.2f>" for d in ("math", "code", "chat", "shakespeare", "poetry"))]]),
+]
