@@ -13,12 +13,14 @@
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
 #   thesis   the step-cost profiles (with and without the drafter), then the steady-state sweep
 #            no-spec / static / compact / A/A with acceptance traces (the simulator's input)
+#   waves    the sweep with admission in waves (the default) beside admitting at once, then the
+#            step-cost profiles of random-weight Qwen3-8B (TABLE=a default-pair cost table)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|thesis|last}
-case $stage in step|serve|thesis|last) ;; *) echo "unknown stage $stage (step, serve, thesis, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|thesis|waves|last}
+case $stage in step|serve|thesis|waves|last) ;; *) echo "unknown stage $stage (step, serve, thesis, waves, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -73,6 +75,22 @@ thesis)
     --out "$R/thesis_default.json" > "$R/thesis.txt" 2>&1
   echo "thesis rc=$?"; pack
   tail -n 12 "$R/profile.txt"; tail -n 24 "$R/thesis.txt" ;;
+waves)       # TABLE: a cost table of the default pair (the thesis stage's); the 8B profile after
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  timeout 230 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$TABLE" \
+    --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 200 --record-traces "$R/traces" \
+    --out "$R/thesis_waves.json" > "$R/thesis_waves.txt" 2>&1
+  echo "waves rc=$?"; pack
+  timeout 90 $new serve --frontend engine --systems no-spec static --max-waiting-steps 0 --concurrency 64 256 \
+    --warmup-s 2 --duration 6 --out "$R/thesis_nowaves.json" > "$R/thesis_nowaves.txt" 2>&1
+  echo "no waves rc=$?"; pack
+  timeout 170 $new profile --shape qwen3-8b --batch-sizes 1 16 64 128 256 --repeats 2 \
+    --out "$R/cost_qwen3_8b.json" > "$R/profile_8b.txt" 2>&1
+  echo "8b profile rc=$?"; pack
+  timeout 60 $new profile-plain --shape qwen3-8b --batch-sizes 1 16 64 128 256 --repeats 3 \
+    --out "$R/plain_qwen3_8b.json" > "$R/plain_8b.txt" 2>&1
+  echo "8b plain rc=$?"; pack
+  tail -n 8 "$R/thesis_waves.txt" "$R/thesis_nowaves.txt"; tail -n 50 "$R/profile_8b.txt" | grep -v "profiling step" ;;
 last)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
   timeout 75 $new profile --batch-sizes 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
