@@ -256,7 +256,7 @@ def test_serve_sweep_writes_every_run_paired_ratios_the_front_and_a_table(tiny_d
     out = tmp_path / "serve.json"
     args = build_parser().parse_args([
         "serve", "--model", str(model), "--cost-table", str(tmp_path / "cost.json"), "--concurrency", "2",
-        "--prompts", "8", "--prompt-tokens", "24", "--output-len", "4", "--warmup-s", "0", "--num-requests", "2",
+        "--prompts", "8", "--prompt-tokens", "24", "--output-len", "4", "--warmup-s", "0", "--warmup-round-s", "0.2", "--num-requests", "2",
         "--repeats", "2", "--kv-gb", "0.05", "--record-traces", str(tmp_path / "tr"), "--out", str(out)])
     res = bsv.serve_bench(args)
     saved = json.loads(out.read_text())

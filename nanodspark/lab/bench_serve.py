@@ -35,6 +35,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import os
@@ -617,26 +618,40 @@ def serve_bench(args) -> dict:
               "systems": {s: SYSTEMS[s][1] if args.frontend == "http" else engine_config(args, s) for s in systems},
               "runs": [], "partial": True, "stopped": None}
     t_start = time.monotonic()
-    with _backends(args, systems) as backends:
-        for wl, c, rep, s in _rounds(works, args.concurrency, args.repeats, systems):
-            if args.budget_s and time.monotonic() - t_start > args.budget_s:
-                result["stopped"] = f"--budget-s {args.budget_s} spent before {s} at concurrency {c}"
-                break
-            rec = None
-            if args.frontend == "engine" and args.record_traces and rep == 0 and backends[s].engine.gamma:
-                rec = TraceRecorder(backends[s].engine.gamma)
-            row = {"mode": s, "workload": wl, "concurrency": c, "repeat": rep,
-                   **summarize(_run(args, backends[s], s, works[wl], c, rec), args.percentiles)}
-            if rec is not None:
-                meta = {"system": s, "concurrency": c, "workload": wl, "model": args.model or "default"}
-                print(f"  traces: {rec.traces(meta).save(Path(args.record_traces) / f'{s}_{wl}_c{c}.npz')}")
-            result["runs"].append(row)
-            print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
-                  f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
-                  f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
-            if args.out:                       # keep what is measured if the call is cut short
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    try:
+        with _backends(args, systems) as backends:
+            if args.frontend == "engine":
+                # Measurement hygiene: every engine first serves an unmeasured round at the largest
+                # concurrency (it compiles the prefill shapes a first run would pay for inside its
+                # window), then the objects of the engines built are moved out of the garbage
+                # collector's generations, so its full passes do not land in one system's window.
+                for s in systems:
+                    if getattr(args, "warmup_round_s", 0) > 0:
+                        engine_closed_loop(backends[s].engine, next(iter(works.values())), max(args.concurrency),
+                                           0.0, args.warmup_round_s, temperature=args.temperature)
+                gc.collect()
+                gc.freeze()
+            for wl, c, rep, s in _rounds(works, args.concurrency, args.repeats, systems):
+                if args.budget_s and time.monotonic() - t_start > args.budget_s:
+                    result["stopped"] = f"--budget-s {args.budget_s} spent before {s} at concurrency {c}"
+                    break
+                rec = None
+                if args.frontend == "engine" and args.record_traces and rep == 0 and backends[s].engine.gamma:
+                    rec = TraceRecorder(backends[s].engine.gamma)
+                row = {"mode": s, "workload": wl, "concurrency": c, "repeat": rep,
+                       **summarize(_run(args, backends[s], s, works[wl], c, rec), args.percentiles)}
+                if rec is not None:
+                    meta = {"system": s, "concurrency": c, "workload": wl, "model": args.model or "default"}
+                    print(f"  traces: {rec.traces(meta).save(Path(args.record_traces) / f'{s}_{wl}_c{c}.npz')}")
+                result["runs"].append(row)
+                print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
+                      f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
+                      f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
+                if args.out:                       # keep what is measured if the call is cut short
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    finally:
+        gc.unfreeze()      # what the sweep froze may be collected again
     runs = result["runs"]
     result.update(sweep=median_rows(runs), paired=paired_ratios(runs), partial=False)
     result["paired_compact_over_static"] = legacy_paired(result["paired"])
@@ -726,6 +741,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
                    help="latency percentiles reported (TTFT, TPOT, ITL)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="engine slots (default: the largest concurrency)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="token budget per step (0: the engine's)")
+    p.add_argument("--warmup-round-s", type=float, default=3.0,
+                   help="engine front end: seconds each engine serves, unmeasured, before the sweep")
     p.add_argument("--max-waiting-steps", default="auto",
                    help="steps an arrival may wait for an admission wave (auto: the engine's; 0: admit at once)")
     p.add_argument("--prefix-cache", action="store_true",

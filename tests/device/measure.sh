@@ -15,7 +15,7 @@
 #            no-spec / static / compact / A/A with acceptance traces (the simulator's input)
 #   waves    the sweep with admission in waves (the default) beside admitting at once, then the
 #            step-cost profiles of random-weight Qwen3-8B (TABLE=a default-pair cost table)
-#   repeat   static / compact / compact-no-trim / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
+#   repeat   no-spec / static / compact / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
@@ -92,9 +92,9 @@ waves)       # TABLE: a cost table of the default pair (the thesis stage's); the
     --out "$R/plain_qwen3_8b.json" > "$R/plain_8b.txt" 2>&1
   echo "8b plain rc=$?"; pack
   tail -n 8 "$R/thesis_waves.txt" "$R/thesis_nowaves.txt"; tail -n 50 "$R/profile_8b.txt" | grep -v "profiling step" ;;
-repeat)      # TABLE as for waves: static / compact / compact-no-trim / A/A at 64 and 256, rotating rounds
+repeat)      # TABLE as for waves: no-spec / static / compact / A/A at 64 and 256, rotating rounds
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
-  timeout 260 $new serve --frontend engine --systems static compact compact-no-trim static-b --cost-table "$TABLE" \
+  timeout 260 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$TABLE" \
     --concurrency 64 256 --repeats 2 --warmup-s 2 --duration 6 --budget-s 230 \
     --out "$R/thesis_repeat.json" > "$R/thesis_repeat.txt" 2>&1
   echo "repeat rc=$?"; pack
