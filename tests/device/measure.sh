@@ -71,7 +71,7 @@ thesis)
   timeout 60 $new profile-plain --batch-sizes 1 16 64 128 256 --repeats 3 --out "$R/plain_default.json" \
     > "$R/profile_plain.txt" 2>&1
   echo "profile-plain rc=$?"; pack
-  timeout 260 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
+  timeout 290 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
     --concurrency 1 16 64 256 --warmup-s 2 --duration 6 --budget-s 230 --record-traces "$R/traces" \
     --out "$R/thesis_default.json" > "$R/thesis.txt" 2>&1
   echo "thesis rc=$?"; pack
@@ -94,8 +94,8 @@ waves)       # TABLE: a cost table of the default pair (the thesis stage's); the
   tail -n 8 "$R/thesis_waves.txt" "$R/thesis_nowaves.txt"; tail -n 50 "$R/profile_8b.txt" | grep -v "profiling step" ;;
 repeat)      # TABLE as for waves: no-spec / static / compact / A/A at 64 and 256, rotating rounds
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
-  timeout 260 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$TABLE" \
-    --concurrency 64 256 --repeats 2 --warmup-s 2 --duration 6 --budget-s 230 \
+  timeout 290 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$TABLE" \
+    --concurrency 64 256 --repeats 2 --warmup-s 2 --duration 6 --budget-s 250 \
     --out "$R/thesis_repeat.json" > "$R/thesis_repeat.txt" 2>&1
   echo "repeat rc=$?"; pack
   tail -n 14 "$R/thesis_repeat.txt" ;;
