@@ -30,6 +30,8 @@ window, its own verify mode); prefills and rebuilds are never timed; each K is w
 """
 from __future__ import annotations
 
+import sys
+
 import json
 import tempfile
 import time
@@ -207,7 +209,7 @@ def profile(args) -> dict:
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
-    table.notes = {**table.notes, "context": args.context, "scope": "whole", "repeats": args.repeats,
+    table.notes = {**table.notes, "command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]), "context": args.context, "scope": "whole", "repeats": args.repeats,
                    "cuda_graphs": bool(llm.engine.executor.graphs.use_graphs), "overlap": llm.engine.config.overlap,
                    "prefix_cache": False, "acceptance": getattr(args, "acceptance", "none"),
                    "prompts": getattr(args, "prompts", "random"),

@@ -483,7 +483,7 @@ def profile_plain(args) -> dict:
                               device=eng.device.type)
     for r in state["reqs"]:
         eng.abort(r.request_id)
-    table.notes = {"context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats,
+    table.notes = {"command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]), "context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats,
                    **source["notes"], **finish_notes(llm, t_start)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.save(args.out)
