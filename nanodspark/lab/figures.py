@@ -25,8 +25,10 @@ DRAWN_BY = "drawn by: python -m nanodspark.bench figures --only {name}"
 @dataclass
 class FigureSpec:
     name: str            # the PNG's path under the root, without .png
-    kind: str            # pareto | timeline | timeline-steps | reliability | kv-blocks
+    kind: str            # pareto | timeline | timeline-steps | reliability | kv-blocks | speedup
     data: str | None     # the data file under the root
+    predicted: tuple = ()   # speedup: predictions drawn beside the measured data
+    labels: tuple = ()      # speedup: one name per file, measured first
 
 
 FIGURES = [
@@ -38,6 +40,9 @@ FIGURES = [
     FigureSpec("benchmarks/timeline_bs1_h200_steps", "timeline-steps", "benchmarks/timeline_bs1_h200.json"),
     FigureSpec("benchmarks/drafter/reliability", "reliability", "benchmarks/drafter/train_heads_report.json"),
     FigureSpec("benchmarks/kv_blocks_cpu", "kv-blocks", None),
+    FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_h200.json",
+               ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"),
+               ("default pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17")),
 ]
 RECORDS = "benchmarks/drafter/calibration_records.safetensors"
 
@@ -115,6 +120,12 @@ def draw(spec: FigureSpec, root: Path = Path("."), out_dir: Path | None = None):
                                       "run on the CPU by nanodspark/lab/figures.py kv_block_run: the calls the "
                                       "paged-KV chapter walks through, the pool's invariants checked after each.\n"
                                       + drawn)
+    elif spec.kind == "speedup":
+        from .speedup_figure import speedup_plot
+        preds = [json.loads((root / p).read_text()) for p in spec.predicted]
+        fig = speedup_plot([data], preds, str(out), labels=list(spec.labels),
+                           title="Speculation over no speculation at load, H200",
+                           caption_end=f"Data: {spec.data}, {', '.join(spec.predicted)}; {drawn}")
     else:
         raise ValueError(f"unknown figure kind {spec.kind!r}")
     return out, fig

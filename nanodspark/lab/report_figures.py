@@ -135,14 +135,68 @@ FIGURES = [
              f"<{k}:memory_start.resident_bytes / 1048576|,.0f> → <{k}:memory_end.resident_bytes / 1048576|,.0f>"]
             for k, name in _SERVER.items()]),
 
-    Figure("thesis-steady-state", {"s": "benchmarks/steady_state_default_pair_h200.json"},
-           H200 + "; the default pair in-process, closed loop, mix workload, greedy, one 5 s window per engine; "
-           "compact ran without a cost table (its profile in the same call failed), so it verified full blocks",
+    Figure("thesis-steady-state", {"s": "benchmarks/steady_state_default_h200.json"},
+           H200 + "; the default pair in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, "
+           "prefix cache off, admission in waves (the default), one 6 s window per engine after 2 s, one round",
            ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static-b tok/s",
             "static / no-spec", "compact / static", "A/A: static-b / static"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact", "static-b")]
             + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static", "static-b/static")]],
-           [{"c": 16}, {"c": 64}, {"c": 256}]),
+           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
+
+    Figure("thesis-rounds", {"s": "benchmarks/steady_state_default_rounds_h200.json"},
+           H200 + "; as above, two rounds in rotating order, each engine warmed by an unmeasured 3 s round and "
+           "the engines' objects frozen out of the garbage collector first; paired medians (min–max)",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<{_PAIRED.replace('median', 'min')}|.2f>–<{_PAIRED.replace('median', 'max')}|.2f>)"
+                       .replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static",
+                                                     "static-b/static")]],
+           [{"c": 64}, {"c": 256}]),
+
+    Figure("admission-waves", {"w": "benchmarks/steady_state_default_h200.json",
+                               "a": "benchmarks/steady_state_admit_at_once_h200.json"},
+           H200 + "; the default pair in-process, as above, both in one call: admission at once "
+                  "(`--max-waiting-steps 0`) and in waves (up to 8 steps, the default with CUDA graphs)",
+           ["system", "concurrency", "at once: tok/s", "in waves: tok/s", "waves / at once",
+            "TTFT p50 ms, at once / waves", "engine steps, at once / waves"],
+           [["{m}", "{c}", "<a:sweep[mode={m},concurrency={c}].total_tok_s|,.0f>",
+             "<w:sweep[mode={m},concurrency={c}].total_tok_s|,.0f>",
+             "<w:sweep[mode={m},concurrency={c}].total_tok_s / a:sweep[mode={m},concurrency={c}].total_tok_s|.2f>",
+             "<a:sweep[mode={m},concurrency={c}].ttft_ms.p50|.1f> / <w:sweep[mode={m},concurrency={c}].ttft_ms.p50|.1f>",
+             "<a:sweep[mode={m},concurrency={c}].engine_steps|,.0f> / <w:sweep[mode={m},concurrency={c}].engine_steps|,.0f>"]],
+           [{"m": m, "c": c} for m in ("no-spec", "static") for c in (64, 256)]),
+
+    Figure("cost-profile-default", {"t": "benchmarks/cost_table_default_h200.json"},
+           H200 + "; the default pair, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds",
+           ["batch", "ms per step, K = 0", "ms, full blocks (K = 5 × batch)", "full / K = 0", "trend z",
+            "in the table, full blocks"],
+           [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
+             "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
+             "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
+           [{"b": b, "k": 5 * b} for b in (1, 16, 64, 128, 256)]),
+
+    Figure("cost-profile-8b", {"t": "benchmarks/cost_table_qwen3_8b_random_h200.json"},
+           H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
+                  "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds",
+           ["batch", "ms per step, K = 0", "ms, full blocks (K = 7 × batch)", "full / K = 0", "trend z",
+            "in the table, full blocks"],
+           [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
+             "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
+             "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
+           [{"b": b, "k": 7 * b} for b in (1, 16, 64, 128, 256)]),
+
+    Figure("prediction-8b", {"lo": "benchmarks/prediction_qwen3_8b_tau3.21_h200.json",
+                             "hi": "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"},
+           "A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of the Qwen3-8B shape "
+           "(random weights), acceptance traces of the default pair scaled to τ 3.21 and 6.17 at block 7, "
+           "prefill priced at 5 ms + 30 µs per token (assumed, not measured), admission in waves",
+           ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
+            "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
+           [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"
+                       for a, m, d in (("lo", "static", "no-spec"), ("lo", "compact", "no-spec"),
+                                       ("lo", "compact", "static"), ("hi", "static", "no-spec"),
+                                       ("hi", "compact", "static"))]],
+           [{"c": c} for c in (1, 16, 64, 128, 256)]),
 
     Figure("graphs-profile", {"t": "benchmarks/cost_table_graphs_h200.json"},
            H200 + "; the default pair, whole steps with CUDA graphs and the overlapped loop, context 256, 2 repeats",

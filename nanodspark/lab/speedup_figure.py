@@ -46,6 +46,17 @@ def ratios(result: dict, system: str, workload: str = "mix") -> list[tuple[int, 
 def speedup_figure(measured: list[dict], predicted: list[dict], path: str, labels: list[str] | None = None,
                    systems=("static", "compact"), title: str | None = None, workload: str = "mix") -> list[str]:
     """Draw the figure to `path`; returns its legend's labels."""
+    import matplotlib.pyplot as plt
+    fig = speedup_plot(measured, predicted, path, labels, systems, title, workload)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    plt.close(fig)
+    return labels
+
+
+def speedup_plot(measured: list[dict], predicted: list[dict], path: str, labels: list[str] | None = None,
+                 systems=("static", "compact"), title: str | None = None, workload: str = "mix",
+                 caption_end: str = ""):
+    """`speedup_figure`, returning the matplotlib Figure (left open); `caption_end`: a last caption line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -72,19 +83,19 @@ def speedup_figure(measured: list[dict], predicted: list[dict], path: str, label
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (requests in flight, closed loop)")
     ax.set_ylabel("total tok/s ÷ no speculation's")
-    ax.set_title(title or "Total throughput over no speculation, by concurrency")
+    fig.suptitle(title or "Total throughput over no speculation, by concurrency")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    caption = "\n".join(textwrap.shorten(c, 160) for c in dict.fromkeys(commands) if c)
+    caption = "\n".join([textwrap.shorten(c, 160) for c in dict.fromkeys(commands) if c]
+                        + ([caption_end] if caption_end else []))
     fig.text(0.01, 0.01, caption, fontsize=6, family="monospace", va="bottom")
     fig.subplots_adjust(bottom=0.14 + 0.025 * caption.count("\n"))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
-    labels = ax.get_legend_handles_labels()[1]
-    plt.close(fig)
     if not drawn:
+        plt.close(fig)
         raise ValueError("no curve to draw: the inputs hold no system next to no-spec")
-    return labels
+    return fig
 
 
 def pareto_figure(result: dict, path: str, workload: str = "mix") -> str:
