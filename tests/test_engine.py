@@ -343,7 +343,8 @@ def test_token_budget_auto_is_8192_on_cuda_and_2048_on_cpu(tiny_dir):
         EngineConfig(max_num_batched_tokens=-1)
 
 
-def test_admission_waits_in_waves_and_changes_no_token(tiny_dir, ref_llm):
+@pytest.mark.parametrize("drafted", [False, True])
+def test_admission_waits_in_waves_and_changes_no_token(tiny_dir, ref_llm, tmp_path, drafted):
     """With `max_waiting_steps`, an arrival while others decode waits (at most that many steps,
     or until the queue holds `waiting_served_ratio` of the decoding requests, or a prefill runs
     anyway) so that one prefill serves several arrivals. The tokens are those of admitting at once.
@@ -357,7 +358,11 @@ def test_admission_waits_in_waves_and_changes_no_token(tiny_dir, ref_llm):
     ps = prompts(4, ref_llm.engine.model_config.vocab_size, seed=5, lo=5, hi=20)
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = [ref_llm.generate([p], long)[0].token_ids for p in ps]
-    llm = LLM(str(tiny_dir), use_tqdm=False, max_waiting_steps=3, waiting_served_ratio=1.0)
+    kw = dict(use_tqdm=False, max_waiting_steps=3, waiting_served_ratio=1.0)
+    if drafted:                     # verify windows, and reservations for them, in the same waves
+        from test_verify import make_drafter
+        kw["drafter_path"] = str(make_drafter(tiny_dir, tmp_path / "d"))
+    llm = LLM(str(tiny_dir), **kw)
     eng = llm.engine
     first = [eng.add_request(p, long) for p in ps[:2]]       # an idle engine admits at once
     eng.step()
