@@ -18,7 +18,7 @@
 #   repeat   no-spec / static / compact / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
-# Everything lands in $OUT/results.tgz (a call brings back at most 8 files) and a summary.
+# Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
 stage=${1:?usage: measure.sh step|serve|thesis|waves|repeat|last}
 case $stage in step|serve|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, thesis, waves, repeat, last)" >&2; exit 2 ;; esac

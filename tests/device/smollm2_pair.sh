@@ -9,11 +9,11 @@
 #
 #   on the CPU, once:    bash tests/device/smollm2_pair.sh prepare   (export and pack the target; needs .[distill])
 #                        bash tests/device/smollm2_pair.sh plan      (the carry list of each call, for this tree)
-#   the first session (no trained drafter yet):
+#   the first chain of calls (no trained drafter yet):
 #     calls 1 .. n-1, carry the plan's lists:            bash tests/device/smollm2_pair.sh take
 #     call n, its list (it ends with .carry/cs2):        bash tests/device/smollm2_pair.sh train
 #     here, with the files that came back:               bash tests/device/smollm2_pair.sh keep FILES_AT
-#   every later session (target and drafter staged; `plan` again):
+#   every later chain (target and drafter staged; `plan` again):
 #     calls 1 .. n-1: take; call n:                      bash tests/device/smollm2_pair.sh serve
 #                                                        (or `engine`: the bench engine runs of 09 §8c)
 # PIECE_MIB (default 18) fits a piece beside the 42 MiB tree (8 calls for the target); with the default
