@@ -1,9 +1,8 @@
 """Sampled speculative output follows the target's distribution, through the engine, in every
 verify mode and whatever clamps the window.
 
-The target is tiny (2 layers, a 4-token vocabulary, its logits scaled so that its laws are far
-from the drafter's), so positions 1-3 of a continuation have an exact law computed by
-enumerating every continuation with a dense fp32 forward and `sampling.target_probs` (the one
+Two tiny targets (2 layers) with random drafters. Positions 1-3 of a continuation have an exact
+law, computed with dense fp32 forwards over every prefix and `sampling.target_probs` (the one
 rule of temperature, top-k and top-p). The engine generates N continuations of one prompt per
 configuration: verify mode x what clamps the window --
 
@@ -13,14 +12,23 @@ configuration: verify mode x what clamps the window --
           verifies fewer drafts, in cap-accept it verifies all and commits at most the window;
   budget  a steep step-cost table: the cost scheduler's budget trims (compact, cap-accept).
 
-Power. Each position is a Pearson chi-square with 3 degrees of freedom against its exact law
-at 1 % false alarms (critical value 11.34). A law at total variation 0.02 from the exact one
-has chi-square divergence at least 4 * 0.02^2 (Cauchy-Schwarz), so with N draws the
-statistic's noncentrality is at least 0.0016 N; power 0.9 needs a noncentrality of 19.2 (scipy:
-ncx2), hence N = 12,030 draws per configuration. The seeds are fixed: the suite is deterministic.
+* T = 1 (fast): a 4-token vocabulary, logits scaled so that the target's laws are far from the
+  drafter's (rejections and residuals happen often); engine seeds.
+* T = 0.8, top_p = 0.9, top_k = 40 (slow), engine seeds and per-request seeds: a 64-token
+  vocabulary, so that top-k really cuts (the 40 kept tokens hold about three quarters of the
+  tempered mass) and top-p then cuts again (about 35 tokens survive). A sampled token outside
+  the kept set fails at once.
 
+Power. Each position is a Pearson chi-square against its exact law at 1 % false alarms, with
+d = (tokens of nonzero probability) - 1 degrees of freedom. A law at total variation 0.02 from
+the exact one has chi-square divergence at least 4 * 0.02^2 = 0.0016 (Cauchy-Schwarz), so with N
+draws the statistic's noncentrality is at least 0.0016 N. Power 0.9 needs a noncentrality of
+19.2 at d = 3 (critical value 11.34) and 51.8 at d = 63 (critical value 92.0; scipy: ncx2), hence
+N = 12,030 draws per configuration for the 4-token vocabulary and 32,359 for the 64-token one
+(position 1 keeps at most 40 tokens, but positions 2 and 3 mix many prefixes' kept sets, so up
+to all 64 have probability; fewer degrees of freedom only raise the power). The seeds are fixed:
+the suite is deterministic.
 """
-import itertools
 import zlib
 
 import pytest
@@ -35,23 +43,24 @@ from nanodspark.sampling import target_probs
 
 from conftest import EXACT, make_hf_model, random_drafter
 
-V, GAMMA, PROMPT = 4, 3, [1, 3, 0, 2]
-N = 12_030                   # draws per configuration (the power calculation above)
-CRITICAL = 11.34             # chi-square, 3 degrees of freedom, P(> 11.34) = 0.01
+GAMMA, PROMPT = 3, [1, 3, 0, 2]
+ALPHA = 0.01                 # false alarms per position
 MODES = ["static", "compact", "cap-accept"]
 CLAMPS = ["none", "limit", "cap", "budget"]
-SAMPLINGS = {"T1": dict(temperature=1.0), "T0.8-p0.9-k40": dict(temperature=0.8, top_p=0.9, top_k=40)}
+T1 = dict(temperature=1.0)
+TRUNCATED = dict(temperature=0.8, top_p=0.9, top_k=40)
+# vocabulary, final-norm scale (peakedness), draws per configuration (the power calculation above)
+NARROW = dict(vocab=4, norm=40.0, n=12_030)
+WIDE = dict(vocab=64, norm=8.0, n=32_359)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny target with peaked laws and a random drafter for it (checkpoints on disk)."""
+def build_pair(root, vocab: int, norm: float):
+    """A tiny target (checkpoint on disk, its final norm scaled) and a random drafter for it."""
     from safetensors.torch import load_file, save_file
-    root = tmp_path_factory.mktemp("lossless")
-    make_hf_model("qwen3", root / "m", vocab_size=V, num_hidden_layers=2, seed=3)
+    make_hf_model("qwen3", root / "m", vocab_size=vocab, num_hidden_layers=2, seed=3)
     f = next((root / "m").glob("*.safetensors"))
     sd = load_file(f)
-    sd["model.norm.weight"] *= 40            # sharper laws: rejections and residuals happen often
+    sd["model.norm.weight"] *= norm          # sharper laws: rejections and residuals happen often
     save_file(sd, f, metadata={"format": "pt"})
     target = load_model(root / "m")
     random_drafter(target, gamma=GAMMA, num_layers=1, std=0.3, seed=4, mask_token_id=0).save(root / "d")
@@ -61,27 +70,46 @@ def pair(tmp_path_factory):
     return root, target
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("lossless"), NARROW["vocab"], NARROW["norm"])
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("lossless_wide"), WIDE["vocab"], WIDE["norm"])
+
+
+@torch.no_grad()
 def exact_laws(target, params: SamplingParams, n: int = 3) -> torch.Tensor:
-    """[n, V]: the law of each of the first n continuation tokens under `params`, by enumeration."""
-    laws = torch.zeros(n, V, dtype=torch.float64)
-    with torch.no_grad():
-        for seq in itertools.product(range(V), repeat=n):
-            ids = PROMPT + list(seq)
-            out = target(torch.tensor(ids), torch.arange(len(ids)), DenseAttentionContext(1, len(ids)))
-            logits = target.compute_logits(out.hidden)[len(PROMPT) - 1:len(ids) - 1]
-            probs = target_probs(logits, [params] * n).double()
-            p = probs[torch.arange(n), torch.tensor(seq)].prod()
-            for i, t in enumerate(seq):
-                laws[i, t] += p
-    return laws
+    """[n, V]: the law of each of the first n continuation tokens under `params`: one dense fp32
+    forward per position over every prefix, weighted by the prefix's probability."""
+    V = target.config.vocab_size
+    prefixes, weight, laws = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64), []
+    for i in range(n):
+        B, L = prefixes.shape
+        out = target(prefixes.reshape(-1), torch.arange(L).repeat(B), DenseAttentionContext(B, L))
+        logits = target.compute_logits(out.hidden.view(B, L, -1)[:, -1])
+        joint = weight[:, None] * target_probs(logits, [params] * B).double()     # [B, V]
+        laws.append(joint.sum(0))
+        if i + 1 < n:
+            keep = joint.reshape(-1) > 0                                            # prune what top-k/p cut
+            prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(B)[:, None]], 1)[keep]
+            weight = joint.reshape(-1)[keep]
+    return torch.stack(laws)
 
 
-def chi2(tokens: list[int], law: torch.Tensor) -> float:
-    counts = torch.bincount(torch.tensor(tokens), minlength=V).double()
+def chi2_p(tokens: list[int], law: torch.Tensor) -> tuple[float, float]:
+    """Pearson statistic and p-value of `tokens` against `law` (the chi-square tail, as the
+    regularized upper incomplete gamma function)."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=law.shape[0]).double()
     expected = law * len(tokens)
     keep = expected > 0
     assert counts[~keep].sum() == 0, "a token of probability 0 was sampled"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    return stat, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                               torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def forced_window(req) -> int:
@@ -89,7 +117,7 @@ def forced_window(req) -> int:
     return zlib.crc32(req.request_id.encode()) % (GAMMA + 1)
 
 
-def generate(root, mode: str, clamp: str, sampling: dict, seeded: bool, seed: int = 7):
+def generate(root, mode: str, clamp: str, sampling: dict, seeded: bool, n: int, seed: int = 7):
     table = str(root / "c.json") if clamp == "budget" else None
     llm = LLM(str(root / "m"), use_tqdm=False, **EXACT, drafter_path=str(root / "d"), max_num_seqs=1024,
               max_num_batched_tokens=8192, seed=seed, verify_mode=mode, cost_table=table)
@@ -98,32 +126,43 @@ def generate(root, mode: str, clamp: str, sampling: dict, seeded: bool, seed: in
         eng.windows = ForcedWindows(eng.gamma, lambda reqs: [forced_window(r) for r in reqs])
     max_tokens = 3 if clamp == "limit" else 8
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=(i if seeded else None), **sampling)
-              for i in range(N)]
-    outs = llm.generate([PROMPT] * N, params)
+              for i in range(n)]
+    outs = llm.generate([PROMPT] * n, params)
     return llm, outs
 
 
 @pytest.mark.parametrize("clamp", CLAMPS)
 @pytest.mark.parametrize("mode", MODES)
 def test_positions_follow_the_target_law(pair, mode, clamp):
-    check(pair, mode, clamp, "T1", seeded=False)
+    check(pair, mode, clamp, T1, seeded=False, n=NARROW["n"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded", [False, True], ids=["engine-seeds", "request-seeds"])
 @pytest.mark.parametrize("clamp", CLAMPS)
 @pytest.mark.parametrize("mode", MODES)
-def test_positions_follow_the_truncated_law(pair, mode, clamp, seeded):
-    check(pair, mode, clamp, "T0.8-p0.9-k40", seeded)
+def test_positions_follow_the_truncated_law(wide_pair, mode, clamp, seeded):
+    check(wide_pair, mode, clamp, TRUNCATED, seeded, n=WIDE["n"])
 
 
-def check(pair, mode, clamp, sampling, seeded):
+def test_the_wide_pair_truncates_twice(wide_pair):
+    """top-k = 40 and top-p = 0.9 each change the wide target's laws (so the slow suite tests both)."""
+    _, target = wide_pair
+    laws = exact_laws(target, SamplingParams(**TRUNCATED))
+    no_k = exact_laws(target, SamplingParams(**{**TRUNCATED, "top_k": 0}))
+    no_p = exact_laws(target, SamplingParams(**{**TRUNCATED, "top_p": 1.0}))
+    support = int((laws[0] > 0).sum())           # position 1: one prefix, one kept set
+    assert 30 <= support < 40, support
+    assert (laws - no_k).abs().sum(1).min() > 0.02 and (laws - no_p).abs().sum(1).min() > 0.02
+    assert torch.allclose(laws.sum(1), torch.ones(3, dtype=torch.float64))
+
+
+def check(pair, mode, clamp, sampling: dict, seeded: bool, n: int):
     root, target = pair
-    params = SamplingParams(**SAMPLINGS[sampling])
-    laws = exact_laws(target, params)
-    llm, outs = generate(root, mode, clamp, SAMPLINGS[sampling], seeded)
-    stats = [chi2([o.token_ids[i] for o in outs], laws[i]) for i in range(3)]
-    assert all(s < CRITICAL for s in stats), (mode, clamp, sampling, [round(s, 1) for s in stats])
+    laws = exact_laws(target, SamplingParams(**sampling))
+    llm, outs = generate(root, mode, clamp, sampling, seeded, n)
+    tests = [chi2_p([o.token_ids[i] for o in outs], laws[i]) for i in range(3)]
+    assert all(p > ALPHA for _, p in tests), (mode, clamp, sampling, [(round(s, 1), round(p, 4)) for s, p in tests])
     verified = sum(o.spec["verified"] for o in outs)
     accepted = sum(o.spec["accepted"] for o in outs)
     assert verified > 0 and 0.05 < accepted / verified < 0.95      # drafts were judged, both ways
