@@ -40,6 +40,7 @@ from nanodspark.cost_table import CostTable
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext
 from nanodspark.sampling import target_probs
+from nanodspark.lab.drift_check import chi2_pooled, chi2_sf
 
 from conftest import EXACT, make_hf_model, random_drafter
 
@@ -101,15 +102,13 @@ def exact_laws(target, params: SamplingParams, n: int = 3) -> torch.Tensor:
 
 def chi2_p(tokens: list[int], law: torch.Tensor) -> tuple[float, float]:
     """Pearson statistic and p-value of `tokens` against `law` (the chi-square tail, as the
-    regularized upper incomplete gamma function)."""
+    regularized upper incomplete gamma function, `drift_check.chi2_sf`)."""
     counts = torch.bincount(torch.tensor(tokens), minlength=law.shape[0]).double()
     expected = law * len(tokens)
     keep = expected > 0
     assert counts[~keep].sum() == 0, "a token of probability 0 was sampled"
     stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    df = int(keep.sum()) - 1
-    return stat, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                               torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, chi2_sf(stat, int(keep.sum()) - 1)
 
 
 def forced_window(req) -> int:
@@ -168,3 +167,20 @@ def check(pair, mode, clamp, sampling: dict, seeded: bool, n: int):
     assert verified > 0 and 0.05 < accepted / verified < 0.95      # drafts were judged, both ways
     if mode != "static" and clamp in ("cap", "budget"):             # the clamp really clamped
         assert verified < GAMMA * sum(o.spec["steps"] for o in outs) * 0.9
+
+
+def test_the_chi_square_tail_and_pooling_of_the_drift_check():
+    """The tail is the chi-square's (critical value 11.34 at 3 degrees of freedom is the 1 % point);
+    pooled counts drawn from their own law pass, counts drawn from a law 0.05 away in total
+    variation fail, and a sampled token of probability 0 is an error, not a pooled count."""
+    assert chi2_sf(11.345, 3) == pytest.approx(0.01, abs=2e-4) and chi2_sf(0.0, 0) == 1.0
+    g = torch.Generator().manual_seed(0)
+    law = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.03, 0.02, 0.0]).double()
+    shifted = law + torch.tensor([-0.05, 0.05, 0, 0, 0, 0, 0]).double()
+    n = 20000
+    own = torch.bincount(torch.multinomial(law, n, True, generator=g), minlength=7).numpy()
+    other = torch.bincount(torch.multinomial(shifted, n, True, generator=g), minlength=7).numpy()
+    assert chi2_pooled(own, (law * n).numpy())[2] > 0.001
+    assert chi2_pooled(other, (law * n).numpy())[2] < 1e-6
+    with pytest.raises(AssertionError, match="probability 0"):
+        chi2_pooled(own + (torch.arange(7) == 6).numpy(), (law * n).numpy())

@@ -20,6 +20,7 @@ first, second, ... verify step). Run against another checkout with `PYTHONPATH=<
 python nanodspark/lab/drift_check.py ...` from that checkout (absolute imports, for that).
 
     python -m nanodspark.lab.drift_check --mode cap-accept --n 4000 --cost-table steep
+    python -m nanodspark.lab.drift_check ... --engine device=cuda --engine dtype=bfloat16   (the GPU path)
 """
 from __future__ import annotations
 
@@ -35,15 +36,18 @@ import torch
 STORY = "Once upon a time"
 
 
-def steep_table(path: Path, gamma: int, model_name: str = "default", slope: float = 1.0) -> Path:
-    """T(bs, K) = 10 ms * (1 + slope * K / bs) on a grid of batch sizes and K = 0 .. bs * gamma."""
+def steep_table(path: Path, gamma: int, model_name: str = "default", slope: float = 1.0,
+                dtype: str = "float32", device: str = "cpu") -> Path:
+    """T(bs, K) = 10 ms * (1 + slope * K / bs) on a grid of batch sizes and K = 0 .. bs * gamma,
+    keyed for an engine of that dtype and device type (an engine reads only its own key)."""
     from nanodspark.cost_table import CostTable
     meas = {}
     for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         for k in range(0, bs * gamma + 1, max(1, bs * gamma // 40)):
             meas[(bs, k)] = 0.01 * (1 + slope * k / bs)
         meas[(bs, bs * gamma)] = 0.01 * (1 + slope * gamma)
-    CostTable(measurements=meas, model_name=model_name, dtype=str(torch.float32), device="cpu").save(path)
+    CostTable(measurements=meas, model_name=model_name, dtype=str(getattr(torch, dtype)),
+              device=torch.device(device).type).save(path)
     return path
 
 
@@ -217,15 +221,16 @@ def main(argv=None):
     from nanodspark import SamplingParams
     from nanodspark.loader import resolve_model_dir
     sampling = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
-    table = None
-    if a.cost_table == "steep":
-        table = str(steep_table(Path(tempfile.mkdtemp()) / "steep.json", 5, slope=a.slope))
-    elif a.cost_table != "none":
-        table = a.cost_table
     engine = {}
     for kv in a.engine:
         k, v = kv.split("=", 1)
         engine[k] = int(v) if v.lstrip("-").isdigit() else float(v) if v.replace(".", "", 1).isdigit() else v
+    table = None
+    if a.cost_table == "steep":
+        table = str(steep_table(Path(tempfile.mkdtemp()) / "steep.json", 5, slope=a.slope,
+                                dtype=engine.get("dtype", "float32"), device=engine.get("device", "cpu")))
+    elif a.cost_table != "none":
+        table = a.cost_table
     ids, toks, spec, el, origin, log = run_arm(a.mode, a.n, a.batch, a.max_tokens, a.seed, table, a.prompt,
                                               sampling, a.seeded, engine=engine)
     target = Target(resolve_model_dir(None), SamplingParams(**sampling))

@@ -36,6 +36,18 @@ _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requ
            "cpu_2000_seed1": "CPU, 2,000 requests at 64, a second call (`--seed 1`)",
            "h200": "H200, 2,000 requests at 64"}
 
+def _profile(name: str, path: str, gamma: int, hardware: str) -> Figure:
+    """A step-cost profile: per batch size, the raw step at K = 0 and with full blocks, their
+    ratio, the trend gate's z and what the table (monotone, gated) keeps for full blocks."""
+    return Figure(name, {"t": path}, hardware,
+                  ["batch", "ms per step, K = 0", f"ms, full blocks (K = {gamma} × batch)", "full / K = 0",
+                   "trend z", "in the table, full blocks"],
+                  [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
+                    "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
+                    "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
+                  [{"b": b, "k": gamma * b} for b in (1, 16, 64, 128, 256)])
+
+
 FIGURES = [
     Figure("kernels", {"k": "benchmarks/kernels_h200.json"}, H200 + " (Qwen3-8B attention shape, bf16, pages of 16)",
            ["batch", "context", "q_len", "Triton, graph µs", "% of copy bandwidth (graph)", "SDPA, graph µs",
@@ -166,24 +178,20 @@ FIGURES = [
              "<a:sweep[mode={m},concurrency={c}].engine_steps|,.0f> / <w:sweep[mode={m},concurrency={c}].engine_steps|,.0f>"]],
            [{"m": m, "c": c} for m in ("no-spec", "static") for c in (64, 256)]),
 
-    Figure("cost-profile-default", {"t": "benchmarks/cost_table_default_h200.json"},
-           H200 + "; the default pair, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds",
-           ["batch", "ms per step, K = 0", "ms, full blocks (K = 5 × batch)", "full / K = 0", "trend z",
-            "in the table, full blocks"],
-           [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
-             "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
-             "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
-           [{"b": b, "k": 5 * b} for b in (1, 16, 64, 128, 256)]),
+    _profile("cost-profile-default", "benchmarks/cost_table_default_h200.json", 5,
+             H200 + "; the default pair, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
-    Figure("cost-profile-8b", {"t": "benchmarks/cost_table_qwen3_8b_random_h200.json"},
-           H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
-                  "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds",
-           ["batch", "ms per step, K = 0", "ms, full blocks (K = 7 × batch)", "full / K = 0", "trend z",
-            "in the table, full blocks"],
-           [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
-             "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
-             "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
-           [{"b": b, "k": 7 * b} for b in (1, 16, 64, 128, 256)]),
+    _profile("cost-profile-8b", "benchmarks/cost_table_qwen3_8b_random_h200.json", 7,
+             H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
+                    "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
+
+    Figure("simulator-check", {f"c{c}": f"benchmarks/simulator_check_default_c{c}.json" for c in (1, 16, 64, 256)},
+           "`bench simulate` on a CPU, from the default pair's H200 profiles, the static traces of the sweep above "
+           "at each concurrency and the overheads fitted to that sweep (`--calibrate-from`); measured: that sweep",
+           ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"],
+           [["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>",
+             "<c{c}:compare[mode={m}].predicted_total|,.0f>", "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]],
+           [{"c": c, "m": m} for c in (1, 16, 64, 256) for m in ("no-spec", "static", "compact")]),
 
     Figure("prediction-8b", {"lo": "benchmarks/prediction_qwen3_8b_tau3.21_h200.json",
                              "hi": "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"},
