@@ -11,6 +11,11 @@ configuration: verify mode x what clamps the window --
   cap     windows forced per request (from its id, never from its drafts): in compact the target
           verifies fewer drafts, in cap-accept it verifies all and commits at most the window;
   budget  a steep step-cost table: the cost scheduler's budget trims (compact, cap-accept).
+  lagged  (its own test) each window sized from the drafts of the request's previous step, as
+          the cost scheduler sizes its budget from confidences `lag` steps old: lossless only
+          because a draft proposed again at a position gets fresh noise. With the speculative
+          noise keyed by position alone (the rule before that fix) the third position fails at
+          p < 1e-12; the test checks both, so it can tell the two rules apart.
 
 * T = 1 (fast): a 4-token vocabulary, logits scaled so that the target's laws are far from the
   drafter's (rejections and residuals happen often); engine seeds.
@@ -31,11 +36,14 @@ the suite is deterministic.
 """
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from nanodspark import LLM, SamplingParams
-from nanodspark.windows import ForcedWindows
+from nanodspark import sampling as sampling_module
+from nanodspark.step import WindowPlan
+from nanodspark.windows import ForcedWindows, WindowPolicy
 from nanodspark.cost_table import CostTable
 from nanodspark.loader import load_model
 from nanodspark.model import DenseAttentionContext
@@ -167,6 +175,58 @@ def check(pair, mode, clamp, sampling: dict, seeded: bool, n: int):
     assert verified > 0 and 0.05 < accepted / verified < 0.95      # drafts were judged, both ways
     if mode != "static" and clamp in ("cap", "budget"):             # the clamp really clamped
         assert verified < GAMMA * sum(o.spec["steps"] for o in outs) * 0.9
+
+
+class LaggedWindows(WindowPolicy):
+    """A window per request from the drafts of its previous step (lag 1): the full block when the
+    old draft at the position this step proposes first was token `x`, none otherwise. Nothing here
+    reads the drafts of the step it plans -- but if an old draft and the new one at that position
+    share their noise, the window depends on the new draft all the same."""
+
+    def __init__(self, gamma: int, x: int = 0):
+        self.gamma, self.x, self.prev = gamma, x, {}
+
+    def observe(self, result) -> None:
+        d = result.decode
+        if d is not None:
+            for i, slot in enumerate(d.slots):
+                self.prev[int(slot)] = (int(d.generations[i]), d.out.drafts[i].copy(), int(d.out.count[i]))
+
+    def plan(self, rows, step: int) -> WindowPlan:
+        caps = []
+        for slot, gen in zip(rows.slots, rows.generations):
+            old = self.prev.get(int(slot))       # (generation, drafts, committed) of its last step
+            first = old[1][old[2]] if old and old[0] == int(gen) and old[2] < self.gamma else -1
+            caps.append(self.gamma if first == self.x else 0)
+        return WindowPlan(len(rows.slots) * self.gamma, False, np.asarray(caps, dtype=np.int64))
+
+
+@pytest.mark.parametrize("keyed", ["anchor", "position"])
+@pytest.mark.parametrize("mode", ["compact", "cap-accept"])
+def test_a_window_sized_from_old_drafts_keeps_the_law(pair, monkeypatch, mode, keyed):
+    """Fresh noise per attempt is what keeps a lagged window lossless (verify.py): keyed by the
+    anchor too, every position follows its law; keyed by position alone, the window admits the
+    new draft by looking at the old one, and position 3 drifts far past any false alarm."""
+    if keyed == "position":
+        keyed_by_position = sampling_module.noise_key
+        monkeypatch.setattr(sampling_module, "noise_key",
+                            lambda seed, position, stream, attempt=None: keyed_by_position(seed, position, stream))
+    root, target = pair
+    laws = exact_laws(target, SamplingParams(**T1))
+    llm = LLM(str(root / "m"), use_tqdm=False, **EXACT, drafter_path=str(root / "d"), max_num_seqs=1024,
+              max_num_batched_tokens=8192, seed=7, verify_mode=mode)
+    llm.engine.windows = LaggedWindows(llm.engine.gamma)
+    n = NARROW["n"]
+    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=8, ignore_eos=True, **T1) for _ in range(n)])
+    tests = [chi2_p([o.token_ids[i] for o in outs], laws[i]) for i in range(3)]
+    shown = [(round(s, 1), float(f"{p:.3g}")) for s, p in tests]
+    assert tests[0][1] > ALPHA and tests[1][1] > ALPHA, shown      # position 1-2: no earlier step to peek at
+    if keyed == "anchor":
+        assert tests[2][1] > ALPHA, shown
+    else:
+        assert tests[2][1] < 1e-6, shown
+    windows = np.asarray([o.spec["verified"] for o in outs])
+    assert 0 < windows.mean() < GAMMA * 2                             # the lagged policy opened some windows, not all
 
 
 def test_the_chi_square_tail_and_pooling_of_the_drift_check():

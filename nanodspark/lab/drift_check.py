@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -250,7 +251,10 @@ def main(argv=None):
     for r in res:
         print(f"  position {r['pos']} ({r['kind']}): chi2 {r['chi2']} on {r['df']} df, p = {r['p']:.3g}")
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), spec=spec, results=res, seconds=el)))
+        from .bench_engine import environment
+        cmd = "python -m nanodspark.lab.drift_check " + " ".join(sys.argv[1:])
+        Path(a.json).write_text(json.dumps(dict(command=cmd, environment=environment(), args=vars(a), spec=spec,
+                                                results=res, seconds=el)))
     return res
 
 
