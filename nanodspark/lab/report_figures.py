@@ -30,6 +30,7 @@ _PHASES = " / ".join(f"<{_HL}.{p}|.2f>" for p in ("schedule", "launch_less_forwa
 _SS = "sweep[mode={m},concurrency={c}].total_tok_s"
 _PAIRED = "paired[concurrency={c},ratio={r}].median"
 _G = "sweep[mode={m},concurrency={c}].total_tok_s"
+_ACC = "sweep[mode={m},concurrency={{c}}].accounting"
 
 _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requests at 32",
            "cpu_300": "CPU, 300 requests at 32", "cpu_2000": "CPU, 2,000 requests at 64",
@@ -46,6 +47,16 @@ def _profile(name: str, path: str, gamma: int, hardware: str) -> Figure:
                     "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
                     "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
                   [{"b": b, "k": gamma * b} for b in (1, 16, 64, 128, 256)])
+
+
+def _simulator_check(name: str, pair: str, hardware: str) -> Figure:
+    """`bench simulate --compare` at each concurrency: measured against predicted total tok/s."""
+    return Figure(name, {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in (1, 16, 64, 256)},
+                  hardware, ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"],
+                  [["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>",
+                    "<c{c}:compare[mode={m}].predicted_total|,.0f>",
+                    "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]],
+                  [{"c": c, "m": m} for c in (1, 16, 64, 256) for m in ("no-spec", "static", "compact")])
 
 
 FIGURES = [
@@ -178,6 +189,26 @@ FIGURES = [
              "<a:sweep[mode={m},concurrency={c}].engine_steps|,.0f> / <w:sweep[mode={m},concurrency={c}].engine_steps|,.0f>"]],
            [{"m": m, "c": c} for m in ("no-spec", "static") for c in (64, 256)]),
 
+    Figure("thesis-smollm2", {"s": "benchmarks/steady_state_smollm2_h200.json"},
+           H200 + "; the SmolLM2-135M-Instruct pair (its exported target and a drafter trained on it for 270 s on "
+           "the H200) in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, prefix cache off, "
+           "admission in waves, one 10 s window per engine after 3 s, one round",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "A/A: static-b / static", "drafts verified per request-step, static · compact",
+            "accepted / verified, static · compact"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static",
+                                                              "static-b/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
+                          for m in ("static", "compact")),
+               " · ".join(f"<{_ACC.format(m=m)}.drafts_accepted / {_ACC.format(m=m)}.drafts_verified|.2f>"
+                          for m in ("static", "compact"))]],
+           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
+
+    _profile("cost-profile-smollm2", "benchmarks/cost_table_smollm2_h200.json", 5,
+             H200 + "; the SmolLM2-135M-Instruct pair, whole synchronous steps with CUDA graphs, context 256, mix "
+                    "prompts, 3 rounds"),
+
     _profile("cost-profile-default", "benchmarks/cost_table_default_h200.json", 5,
              H200 + "; the default pair, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
@@ -185,13 +216,27 @@ FIGURES = [
              H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
                     "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
-    Figure("simulator-check", {f"c{c}": f"benchmarks/simulator_check_default_c{c}.json" for c in (1, 16, 64, 256)},
-           "`bench simulate` on a CPU, from the default pair's H200 profiles, the static traces of the sweep above "
-           "at each concurrency and the overheads fitted to that sweep (`--calibrate-from`); measured: that sweep",
-           ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"],
-           [["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>",
-             "<c{c}:compare[mode={m}].predicted_total|,.0f>", "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]],
-           [{"c": c, "m": m} for c in (1, 16, 64, 256) for m in ("no-spec", "static", "compact")]),
+    _simulator_check("simulator-check", "default",
+                     "`bench simulate` on a CPU, from the default pair's H200 profiles, the static traces of the sweep "
+                     "above at each concurrency and the overheads fitted to that sweep (`--calibrate-from`); measured: "
+                     "that sweep"),
+
+    _simulator_check("simulator-check-smollm2", "smollm2",
+                     "`bench simulate` on a CPU, from the SmolLM2 pair's H200 profile (no plain profile: no "
+                     "speculation is priced at K = 0 of the speculative table, which still holds the drafter's pass), "
+                     "the static traces of its sweep and the overheads fitted to that sweep; measured: that sweep"),
+
+    Figure("drift-check", {"d": "benchmarks/drift_check_h200.json"},
+           H200 + "; `nanodspark.lab.drift_check`: the default pair in bf16 with CUDA graphs, temperature 1, no "
+           "per-request seeds, 4 new tokens, batch 256, 8,000 samples, the steep synthetic step-cost table (about "
+           "0.04 drafts verified per step); each position against the target's law (exact at positions 0-1, "
+           "conditional on the sampled prefix after), small categories pooled",
+           ["verify mode", "prompt", "position 1 (prefill)", "position 2", "position 3", "position 4"],
+           [["{mode}", "{prompt}", "<runs[{i}].results[pos=0,kind=exact].p|.2f>",
+             "<runs[{i}].results[pos=1,kind=cond].p|.2f>", "<runs[{i}].results[pos=2,kind=cond].p|.2f>",
+             "<runs[{i}].results[pos=3,kind=cond].p|.2f>"]],
+           [{"i": 0, "mode": "cap-accept", "prompt": "story"}, {"i": 1, "mode": "compact", "prompt": "story"},
+            {"i": 2, "mode": "target only", "prompt": "story"}, {"i": 3, "mode": "cap-accept", "prompt": "code"}]),
 
     Figure("prediction-8b", {"lo": "benchmarks/prediction_qwen3_8b_tau3.21_h200.json",
                              "hi": "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"},

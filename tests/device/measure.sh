@@ -11,6 +11,8 @@
 #            engine without the drafter at 64 and 256; then bench engine with the drafter, bench
 #            host with text streamed in the engine (before: what serve.py ran), a timeline at 256
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
+#   busy     bench host at batch 1 / 64 / 256, then GPU busy in the overlapped loop at 1 / 64 / 256
+#            with and without the drafter (bench engine's profiled steps)
 #   thesis   the step-cost profiles (with and without the drafter), then the steady-state sweep
 #            no-spec / static / compact / A/A with acceptance traces (the simulator's input)
 #   waves    the sweep with admission in waves (the default) beside admitting at once, then the
@@ -20,8 +22,8 @@
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|thesis|waves|repeat|last}
-case $stage in step|serve|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|busy|thesis|waves|repeat|last}
+case $stage in step|serve|busy|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, busy, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -57,13 +59,20 @@ step)
   grep -H "batch  *256" "$R"/host_*.txt
   grep -hE "^\| overlap" "$R"/engine_*.txt ;;
 serve)
-  timeout 170 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 64 256 --warmup-s 3 \
+  timeout 230 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 16 64 256 --warmup-s 3 \
     --duration 6 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
   echo "serve http rc=$?"
   timeout 110 $new serve --frontend engine --systems no-spec static --concurrency 64 256 --warmup-s 3 \
     --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
   echo "serve engine rc=$?"
   tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
+busy)
+  timeout 60 $new host --batches 1 64 256 --steps 12 --repeats 3 --out "$R/host.json" > "$R/host.txt" 2>&1
+  echo "host rc=$?"
+  timeout 150 $new engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 1 64 256 --max-tokens 128 \
+    --repeats 2 --out "$R/engine_busy.json" > "$R/engine_busy.txt" 2>&1
+  echo "engine rc=$?"
+  grep -h "batch" "$R/host.txt"; grep -hE "^\| overlap" "$R/engine_busy.txt" ;;
 thesis)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
   timeout 130 $new profile --batch-sizes 1 16 64 128 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
