@@ -29,6 +29,7 @@ class FigureSpec:
     data: str | None     # the data file under the root
     predicted: tuple = ()   # speedup: predictions drawn beside the measured data
     labels: tuple = ()      # speedup: one name per file, measured first
+    measured: tuple = ()    # speedup: more measured files, drawn after `data`
 
 
 FIGURES = [
@@ -42,7 +43,8 @@ FIGURES = [
     FigureSpec("benchmarks/kv_blocks_cpu", "kv-blocks", None),
     FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_h200.json",
                ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"),
-               ("default pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17")),
+               ("default pair", "SmolLM2-135M pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17"),
+               ("benchmarks/steady_state_smollm2_h200.json",)),
 ]
 RECORDS = "benchmarks/drafter/calibration_records.safetensors"
 
@@ -123,9 +125,10 @@ def draw(spec: FigureSpec, root: Path = Path("."), out_dir: Path | None = None):
     elif spec.kind == "speedup":
         from .speedup_figure import speedup_plot
         preds = [json.loads((root / p).read_text()) for p in spec.predicted]
-        fig = speedup_plot([data], preds, str(out), labels=list(spec.labels),
+        more = [json.loads((root / p).read_text()) for p in spec.measured]
+        fig = speedup_plot([data, *more], preds, str(out), labels=list(spec.labels),
                            title="Speculation over no speculation at load, H200",
-                           caption_end=f"Data: {spec.data}, {', '.join(spec.predicted)}; {drawn}")
+                           caption_end=f"Data: {', '.join((spec.data, *spec.measured, *spec.predicted))}; {drawn}")
     else:
         raise ValueError(f"unknown figure kind {spec.kind!r}")
     return out, fig
