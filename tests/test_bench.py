@@ -352,3 +352,32 @@ def test_transformers_gets_the_same_mix_prompts_left_padded(tiny_dir, monkeypatc
     want = bsp._prompts(3, 12, 0, tokenizer=tok, kind="mix")
     assert seen == [want]
     assert want != bsp._prompts(3, 12, tok.vocab_size)      # real text, not random ids
+
+
+def test_whole_step_profile_in_the_overlapped_loop(tiny_dir, tmp_path):
+    """`loop="overlap"`: each call launches a step with its K and commits the one before it (so
+    after a settle call the step committed has the K asked for), and close() commits the step in
+    flight and leaves the engine empty, in its own loop, with its own policy."""
+    from nanodspark import LLM
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    llm = LLM(str(model), use_tqdm=False, max_num_seqs=3, kv_cache_memory_gb=0.05, verify_mode="compact")
+    eng, running = llm.engine, llm.engine.scheduler.running
+    policy, own_loop = eng.windows, eng.overlap
+    with pytest.raises(ValueError, match="loop"):
+        bp.profiled_loop(eng, "async")
+    assert bp.profiled_loop(eng, "auto") == eng.config.overlap
+    run = bp.whole_step_runner(llm, context_len=20, loop="overlap")
+    assert eng.overlap
+    run(3, 0)
+    for k in (2, 3 * eng.gamma, 1):
+        run(3, k)                                    # settle: launches k, commits the step before
+        before = sum(r.spec.verified for r in running)
+        run(3, k)                                    # timed: launches k, commits the settle step (k)
+        assert sum(r.spec.verified for r in running) - before == k
+        assert eng.in_flight is not None             # its own step is still on its way
+    run.prepare(3, 0)
+    run.close()
+    assert eng.in_flight is None and not eng.has_unfinished() and eng.windows is policy
+    assert eng.overlap == own_loop and all(u["used"] == 0 for u in eng.kv_usage().values())

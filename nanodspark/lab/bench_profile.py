@@ -10,8 +10,11 @@ workload prompts, with the windows forced to add up to K (`windows.ForcedWindows
 engine built in the compact verify mode, so a window below gamma is verified as given) and no
 draft committed (`VerifyOnly`, swapped into the decode step: every K commits the same tokens,
 so the table prices verifying, not committing), the batch rebuilt untimed whenever a request has grown `DEFAULT_CONTEXT_SLACK`
-tokens (a fixed context). With the overlapped loop a timed step is the time between two steps'
-results, which is what the cost scheduler trades against.
+tokens (a fixed context). `--loop` picks the loop the steps run in: `sync` waits for the GPU
+after each step (a step's host and GPU time, added); `overlap` times a step of a running
+overlapped pipeline (the untimed settle step of the same shape is in flight when it starts), so
+a timed step is the time between two results, max(host, GPU) -- what a step costs the engine
+that serves. The default, `auto`, is the engine's own loop (overlapped on CUDA).
 
 Paper-scale shapes without their checkpoints: `--shape qwen3-8b` (or `qwen3-30b-a3b`) instead
 of `--model` builds the pair from a temporary directory holding only config.json, the default
@@ -43,12 +46,30 @@ from .bench_engine import bench_prompts
 
 
 DEFAULT_CONTEXT_SLACK = 16   # tokens a profiled request may grow past its prompt before the batch is rebuilt
+LOOPS = ("auto", "sync", "overlap")
 SHAPE_HEADROOM = 1024        # --shape: max_model_len = context + this (a profiled request never nears it)
 KV_MARGIN = 1.1              # automatic KV sizing: blocks for the largest batch, plus this share
 
 
+def drain(eng) -> None:
+    """Commit the overlapped step in flight, if any (untimed): a rebuild, or the end of a profile,
+    must not leave a step of the old batch on the device."""
+    from ..request import StepOutputs
+    handle, eng.in_flight = eng.in_flight, None
+    if handle is not None:
+        eng.commit(handle.result(), StepOutputs())
+
+
+def profiled_loop(eng, loop: str) -> bool:
+    """True if the profile runs overlapped (`loop`: auto = the engine's own loop)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, not {loop!r}")
+    return eng.config.overlap if loop == "auto" else loop == "overlap"
+
+
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
-                      context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False):
+                      context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False,
+                      loop: str = "sync"):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`ForcedWindows` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
@@ -75,11 +96,11 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         raise ValueError("the whole-step profile needs a drafter and an engine in the compact verify mode")
     if eng.has_unfinished():
         raise ValueError("the whole-step profile needs an idle engine")
-    # Synchronous steps: each timed call is one step with its own K, committed before it returns.
-    # (The runner waits for the GPU after every step, so an overlapped step would hide nothing; it
-    # would only commit each K one call late.) `close` gives the engine its own setting back.
+    # sync: each timed call is one step with its own K, committed before it returns. overlap: a
+    # call launches a step with K and commits the one before it (the settle step, of the same K),
+    # without waiting for its own: its time is the pipeline's period. `close` restores the engine.
     gamma, policy, overlap, mode = eng.gamma, eng.windows, eng.overlap, eng.executor.spec.mode
-    eng.overlap = False
+    eng.overlap = profiled_loop(eng, loop)
     if not commit_drafts:
         use_mode(eng, VerifyOnly())
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -97,6 +118,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
 
     def rebuild(bs: int) -> None:
         """Abort the batch and prefill bs fresh requests (untimed, kept out of the phase clock)."""
+        drain(eng)
         for rid in state["ids"]:
             eng.abort(rid)
         if bs > eng.config.max_num_seqs:
@@ -128,11 +150,13 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
                                                       for r in range(len(rs))])
         eng.step()
-        sync()
+        if not eng.overlap:
+            sync()
 
     def close() -> None:
         if state["bs"] is not None:
             phases[state["bs"]] = eng.clock.per_step_ms()
+        drain(eng)
         for rid in state["ids"]:
             eng.abort(rid)
         eng.windows, eng.overlap = policy, overlap
@@ -197,8 +221,9 @@ def profile(args) -> dict:
     if getattr(args, "prompts", "random") == "mix":
         ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
         prompts = [llm.tokenizer.encode(p.render()) for p in ps]
+    loop = getattr(args, "loop", "auto")
     runner = whole_step_runner(llm, args.context, prompts,
-                               commit_drafts=getattr(args, "acceptance", "none") == "traffic")
+                               commit_drafts=getattr(args, "acceptance", "none") == "traffic", loop=loop)
     try:
         table = profile_step_cost(runner, args.batch_sizes, ks,
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
@@ -211,6 +236,7 @@ def profile(args) -> dict:
         getattr(runner, "close", lambda: None)()
     table.notes = {**table.notes, "command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]), "context": args.context, "scope": "whole", "repeats": args.repeats,
                    "cuda_graphs": bool(llm.engine.executor.graphs.use_graphs), "overlap": llm.engine.config.overlap,
+                   "loop": "overlap" if profiled_loop(llm.engine, loop) else "sync",
                    "prefix_cache": False, "acceptance": getattr(args, "acceptance", "none"),
                    "prompts": getattr(args, "prompts", "random"),
                    "monotone": getattr(args, "monotone", "isotonic"),
@@ -374,6 +400,13 @@ def add_profile_args(p) -> None:
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--repeats", type=int, default=5, help="rounds per point; the estimator combines them")
+    add_loop_arg(p)
     p.add_argument("--kv-gb", type=float, default=0.0,
                    help="KV cache memory (GiB); 0 = sized for the largest batch at the context")
     p.add_argument("--out", default="cost_table.json", help="the cost table (JSON) to write")
+
+
+def add_loop_arg(p) -> None:
+    p.add_argument("--loop", choices=LOOPS, default="auto",
+                   help="time steps of the synchronous loop (host + GPU) or of a running overlapped pipeline "
+                        "(max(host, GPU): what the serving loop pays); auto: the engine's own loop")

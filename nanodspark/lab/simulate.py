@@ -25,7 +25,9 @@ Approximations (what makes it a model, and its output a prediction)
       a system replayed from its own traces follows the engine step for step (a test holds it).
     * Cost: the table, plus a per-step host term and a prefill cost (`calibrate` fits both from
       a measured run). No KV limit: preemption is not simulated (the accounting of a measured
-      run says whether there was any). One step at a time, as the synchronous loop runs.
+      run says whether there was any). One step after another: with a table profiled in the
+      overlapped loop (`--loop overlap`, the default on CUDA) a step's T is that loop's period,
+      host and GPU overlapped; with a synchronous table, their sum.
     * `scale_traces` makes traces of another τ (and gamma): each step's conditional confidences
       c_k become c_k ** beta (beta by bisection so that the mean of 1 + Σ_k Π_{i<=k} c_i**beta is
       the target) and A is drawn from them (calibrated by construction). Output from scaled
@@ -448,14 +450,15 @@ def profile_plain(args) -> dict:
     with `profile_stats.profile_step_cost` (rounds, K = 0 only), saved as a CostTable whose
     model name ends in " (no drafter)"."""
     from ..sampling import SamplingParams
-    from .bench_profile import build_profiled_llm, finish_notes, print_plan
+    from .bench_profile import build_profiled_llm, drain, finish_notes, print_plan, profiled_loop
     from .profile_stats import profile_step_cost
     t_start = time.perf_counter()
     llm, source = build_profiled_llm(args, drafter=False)   # --shape: random weights (bench_profile.py)
     eng = llm.engine
     print_plan(args, {b: [0] for b in args.batch_sizes})
-    eng.overlap = False                      # synchronous steps: each timed call is one step
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    loop = getattr(args, "loop", "auto")
+    eng.overlap = profiled_loop(eng, loop)   # as `bench profile`: a step alone, or a pipeline's period
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and not eng.overlap else (lambda: None)
     params = SamplingParams(temperature=0, max_tokens=max(1, eng.max_model_len - args.context - 1), ignore_eos=True)
     state = {"bs": None, "reqs": []}
     rng = np.random.default_rng(0)
@@ -463,6 +466,7 @@ def profile_plain(args) -> dict:
     def prepare(bs: int, k: int) -> None:
         if state["bs"] == bs and max(r.num_output for r in state["reqs"]) <= 16:
             return
+        drain(eng)
         for r in state["reqs"]:
             eng.abort(r.request_id)
             eng.release(r.request_id)
@@ -481,9 +485,11 @@ def profile_plain(args) -> dict:
     table = profile_step_cost(run_step, args.batch_sizes, [0], repeats=args.repeats, trend_z_min=None,
                               model_name=f"{source['model_name']} (no drafter)", dtype=str(eng.dtype),
                               device=eng.device.type)
+    drain(eng)
     for r in state["reqs"]:
         eng.abort(r.request_id)
     table.notes = {"command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]), "context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats,
+                   "loop": "overlap" if eng.overlap else "sync",
                    **source["notes"], **finish_notes(llm, t_start)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.save(args.out)
@@ -492,12 +498,13 @@ def profile_plain(args) -> dict:
 
 
 def add_profile_plain_args(p) -> None:
-    from .bench_profile import add_source_args
+    from .bench_profile import add_loop_arg, add_source_args
     add_source_args(p, "the shipped default")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256],
                    help="batch sizes profiled")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request (random ids)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per batch size (median)")
+    add_loop_arg(p)
     p.add_argument("--kv-gb", type=float, default=0.0,
                    help="KV cache memory (GiB); 0 = sized for the largest batch at the context")
     p.add_argument("--out", default="plain_table.json", help="the plain cost table (JSON) to write")

@@ -13,6 +13,9 @@
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
 #   busy     bench host at batch 1 / 64 / 256, then GPU busy in the overlapped loop at 1 / 64 / 256
 #            with and without the drafter (bench engine's profiled steps)
+#   overlap  the step-cost profiles timed in the overlapped loop (with and without the drafter), the
+#            sweep no-spec / static / compact / A/A on them with traces (the simulator's check), then
+#            bench host at 1 / 64 / 256 and GPU busy at 64 / 256 with and without the drafter
 #   thesis   the step-cost profiles (with and without the drafter), then the steady-state sweep
 #            no-spec / static / compact / A/A with acceptance traces (the simulator's input)
 #   waves    the sweep with admission in waves (the default) beside admitting at once, then the
@@ -22,8 +25,8 @@
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|busy|thesis|waves|repeat|last}
-case $stage in step|serve|busy|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, busy, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|busy|overlap|thesis|waves|repeat|last}
+case $stage in step|serve|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -73,6 +76,24 @@ busy)
     --repeats 2 --out "$R/engine_busy.json" > "$R/engine_busy.txt" 2>&1
   echo "engine rc=$?"
   grep -h "batch" "$R/host.txt"; grep -hE "^\| overlap" "$R/engine_busy.txt" ;;
+overlap)
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  timeout 110 $new profile --loop overlap --batch-sizes 1 16 64 256 --repeats 2 --out "$R/cost_default.json" \
+    > "$R/profile.txt" 2>&1
+  echo "profile rc=$?"; pack
+  timeout 60 $new profile-plain --loop overlap --batch-sizes 1 16 64 256 --repeats 3 --out "$R/plain_default.json" \
+    > "$R/profile_plain.txt" 2>&1
+  echo "profile-plain rc=$?"; pack
+  timeout 250 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
+    --concurrency 1 16 64 256 --warmup-s 2 --duration 5 --budget-s 220 --record-traces "$R/traces" \
+    --out "$R/thesis_default.json" > "$R/thesis.txt" 2>&1
+  echo "thesis rc=$?"; pack
+  timeout 45 $new host --batches 1 64 256 --steps 12 --repeats 3 --out "$R/host.json" > "$R/host.txt" 2>&1
+  echo "host rc=$?"; pack
+  timeout 80 $new engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 64 256 --max-tokens 128 \
+    --repeats 2 --out "$R/engine_busy.json" > "$R/engine_busy.txt" 2>&1
+  echo "engine rc=$?"
+  tail -n 8 "$R/profile.txt"; tail -n 20 "$R/thesis.txt"; grep -h "batch" "$R/host.txt"; grep -hE "^\| overlap" "$R/engine_busy.txt" ;;
 thesis)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
   timeout 130 $new profile --batch-sizes 1 16 64 128 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
