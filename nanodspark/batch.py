@@ -103,15 +103,14 @@ class RunningBatch:
         self.out_len[s] = n + len(ids)
 
     def append_rows(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
-        """Append `tokens[i, :counts[i]]` to slot `slots[i]`'s output, every row at once."""
+        """Append `tokens[i, :counts[i]]` to slot `slots[i]`'s output, every row at once. Whole rows
+        are written (one assignment, no mask): the tokens past a row's count land beyond its
+        `out_len`, where nothing reads them, and the next append writes over them."""
         if not len(slots):
             return
         start = self.out_len[slots]
-        self._fit(int((start + counts).max()))
-        k = np.arange(tokens.shape[1])
-        keep = k[None, :] < counts[:, None]
-        rows = np.broadcast_to(slots[:, None], tokens.shape)[keep]
-        self.out[rows, (start[:, None] + k[None, :])[keep]] = tokens[keep]
+        self._fit(int(start.max()) + tokens.shape[1])
+        self.out[slots[:, None], start[:, None] + np.arange(tokens.shape[1])] = tokens
         self.out_len[slots] = start + counts
 
     def _fit(self, n: int) -> None:

@@ -41,7 +41,7 @@ DEFAULT_CEILING_RECORDS = 4096   # sliding window of the ceiling estimator, in r
 STEP_TIMES_KEPT = 256            # (predicted, measured) pairs kept for /metrics
 
 
-FLUSH_EVERY = 16                 # steps (or record batches) an observer keeps before taking them in
+FLUSH_EVERY = 64                 # steps (or record batches) an observer keeps before taking them in
 
 
 class SpecMetrics:
