@@ -300,13 +300,12 @@ class LLMEngine:
         """Start the step on the device and return its `StepHandle` without waiting. What the
         host already knows is applied here: prefill rows advance `num_computed`, the in-flight
         counters grow, new slots get their sampling parameters, new blocks reach the device."""
-        b, w, plan = self.batch, self.writes, StepPlan()
-        dec = sched.decode
+        b, w, dec = self.batch, self.writes, sched.decode
+        plan = StepPlan(decode_slots=dec, decode_generations=b.generation[dec])
         for req in self.scheduler.changed:   # new slots and new blocks: only requests that changed
             self._sync_state(req)
         self.scheduler.changed.clear()
         if len(dec):                         # first: a policy may refuse the step before anything has changed
-            plan.decode_slots, plan.decode_generations = dec, b.generation[dec]
             plan.windows = self.windows.plan(DecodeRows(dec, plan.decode_generations, None, b.req[dec]),
                                              self.executor.steps)
             for req in sched.joined:         # it became decoding on the host (prompt or prefix hit)
@@ -423,7 +422,7 @@ class LLMEngine:
         if W:
             crossed |= (end - W) // S > (before - W) // S
         first = n_out == 0
-        for i in np.flatnonzero(own | crossed | first).tolist():
+        for i in (own | crossed | first).nonzero()[0].tolist():
             req = d.requests[i]
             if first[i] and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
