@@ -388,9 +388,8 @@ class LLMEngine:
         b, s = self.batch, d.slots
         d.requests = b.req[s]                                    # (before any of them finishes below)
         live = b.live[s] & (b.generation[s] == d.generations)    # the request of the row is still here
-        sl = s[live]
-        b.inflight[sl] -= 1
-        b.decode_inflight[sl] -= 1
+        b.inflight[s] -= live                                    # (a step's slots are distinct)
+        b.decode_inflight[s] -= live
         applied = live & (d.out.finite != 0)
         if not applied.all():
             for i in np.flatnonzero(live & ~applied).tolist():   # its numbers broke: it fails alone

@@ -54,7 +54,8 @@ class SpecMetrics:
         self._accepts = np.zeros(gamma, dtype=np.int64)            # ... of which accepted
         self._online = OnlineCalibrationMetrics(gamma)
         self._queued: list[tuple] = []                             # (accepted, window, conf) per step, not taken in yet
-        self.ceiling = BlockAcceptEstimator(gamma)
+        self._ceiling = BlockAcceptEstimator(gamma)
+        self._plain: list[tuple] = []                              # (windows, accepted): plain ceiling records kept
         S = batch.num_slots + 1 if batch is not None else 0
         # a trimmed compact step whose window was fully accepted, by slot: its remaining drafts wait
         # for the tokens the target commits at their positions (then the record goes in)
@@ -79,6 +80,19 @@ class SpecMetrics:
         self.flush()
         return self._online
 
+    @property
+    def ceiling(self) -> "BlockAcceptEstimator":
+        """The estimator, the plain records kept so far taken in first: a chain recorded through
+        here (a trimmed step's) then goes in after them, in step order, as the ring's window needs."""
+        self._take_plain()
+        return self._ceiling
+
+    def _take_plain(self) -> None:
+        if self._plain:
+            w, a = (np.concatenate(x) for x in zip(*self._plain))
+            self._plain = []
+            self._ceiling.record_many(w, a)
+
     def _labels(self, o) -> tuple[np.ndarray, np.ndarray]:
         """Per row: the drafts accepted, and the window verified (the prefix labels' length)."""
         return np.maximum(o.count - 1, 0), (np.minimum(o.windows, o.verified) if self.mode.trims else o.verified)
@@ -94,9 +108,9 @@ class SpecMetrics:
             if self.pending.any():
                 self._settle(self.pending.copy())
             plain = self._track_ceiling(d, win, acc)
-            self.ceiling.record_many(win[plain], acc[plain])
+            self._plain.append((win[plain], acc[plain]))
         else:                                                # every row is a plain record
-            self.ceiling.record_many(win, acc)
+            self._plain.append((win, acc))
         self._queued.append((acc, win, d.out.conf))
         if len(self._queued) >= FLUSH_EVERY:
             self.flush()
@@ -104,6 +118,7 @@ class SpecMetrics:
 
     def flush(self) -> None:
         """Count, then calibrate, the kept steps' rows: one array operation per statistic."""
+        self._take_plain()
         if not self._queued:
             return
         acc, win, conf = (np.concatenate(x) for x in zip(*self._queued))

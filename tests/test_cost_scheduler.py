@@ -431,7 +431,7 @@ def test_ceiling_record_many_equals_records_one_by_one_through_the_window_edge()
 def test_spec_metrics_read_mid_run_equal_a_step_by_step_update():
     """The observers keep steps and take them in every FLUSH_EVERY steps: whenever they are read
     (summary, the properties, the estimator), the numbers are those of the unbatched update,
-    computed here step by step from the same rows (ring of 50 records: the window edge too)."""
+    computed here step by step from the same rows (past the ring's 4096 records: its edge too)."""
     from nanodspark.calibration import OnlineCalibrationMetrics
     from nanodspark.observers import FLUSH_EVERY, SpecMetrics
     from nanodspark.speculative import DecodeOut
@@ -440,12 +440,11 @@ def test_spec_metrics_read_mid_run_equal_a_step_by_step_update():
 
     g, rng = 4, np.random.default_rng(5)
     m = SpecMetrics(g, VerifyMode.STATIC)
-    m.ceiling = BlockAcceptEstimator(g, max_records=50)
     trials, accepts = np.zeros(g, np.int64), np.zeros(g, np.int64)
-    online, ceiling = OnlineCalibrationMetrics(g), BlockAcceptEstimator(g, max_records=50)
+    online, ceiling = OnlineCalibrationMetrics(g), BlockAcceptEstimator(g)
     reads = 0
     for step in range(5 * FLUSH_EVERY + 3):
-        R = int(rng.integers(1, 6))
+        R = int(rng.integers(1, 120))
         count = rng.integers(1, g + 2, R)
         conf = rng.random((R, g)).astype(np.float32)
         conf[rng.random((R, g)) < 0.05] = np.nan
@@ -468,7 +467,7 @@ def test_spec_metrics_read_mid_run_equal_a_step_by_step_update():
             for name in ("count", "sum_pred", "sum_label"):
                 assert torch.equal(getattr(m.online, name), getattr(online, name)), name
             assert m.summary()["online_ece"] == [float(e) for e in online.ece()]
-    assert reads > 10
+    assert reads > 10 and ceiling.estimate().records == m.ceiling.max_records
 
 
 def test_ceiling_sliding_window_and_wilson():
