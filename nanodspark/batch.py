@@ -39,7 +39,6 @@ class RunningBatch:
         self.decode_inflight = np.zeros(S, dtype=np.int64)
         self.prompt_len = np.zeros(S, dtype=np.int64)
         self.limit_len = np.zeros(S, dtype=np.int64)
-        self.max_tokens = np.zeros(S, dtype=np.int64)
         self.ignore_eos = np.zeros(S, dtype=bool)
         self.greedy = np.zeros(S, dtype=bool)
         self.truncates = np.zeros(S, dtype=bool)
@@ -66,7 +65,7 @@ class RunningBatch:
         self.req[s], self.live[s] = req, True
         self.num_computed[s], self.inflight[s], self.decode_inflight[s] = (req._num_computed, req._inflight,
                                                                             req._decode_inflight)
-        self.prompt_len[s], self.limit_len[s], self.max_tokens[s] = len(req.prompt_ids), req.limit_len, p.max_tokens
+        self.prompt_len[s], self.limit_len[s] = len(req.prompt_ids), req.limit_len
         self.ignore_eos[s], self.greedy[s], self.truncates[s] = p.ignore_eos, p.greedy, p.truncates
         self.text[s] = req.stream_text or bool(p.stop)
         self.decoding[s], self.reserved[s] = False, 0

@@ -403,8 +403,8 @@ class LLMEngine:
         self._count(s, o)
         # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
         # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
-        n_out = b.out_len[s]
-        room = np.maximum(1, np.minimum(b.max_tokens[s] - n_out, self.max_model_len - b.prompt_len[s] - n_out))
+        n_out = b.out_len[s]        # limit_len - prompt_len = min(max_tokens, max_model_len - prompt_len)
+        room = np.maximum(1, b.limit_len[s] - b.prompt_len[s] - n_out)
         take = np.minimum(count, room)
         length = count >= room
         eos = self.is_eos[toks] & (np.arange(toks.shape[1]) < take[:, None])
