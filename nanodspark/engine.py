@@ -393,7 +393,8 @@ class LLMEngine:
         applied = live & (d.out.finite != 0)
         if not applied.all():
             for i in np.flatnonzero(live & ~applied).tolist():   # its numbers broke: it fails alone
-                out.add(self._finish(b.req[s[i]], "error", error="the model produced non-finite logits for this request"))
+                out.add(self._finish(b.req[s[i]], "error",
+                                     error="the model produced non-finite logits for this request"))
             d = d.select(applied)
         s, o = d.slots, d.out
         count, toks = o.count, o.tokens

@@ -53,7 +53,7 @@ class SpecMetrics:
         self._trials = np.zeros(gamma, dtype=np.int64)             # verified drafts at position k
         self._accepts = np.zeros(gamma, dtype=np.int64)            # ... of which accepted
         self._online = OnlineCalibrationMetrics(gamma)
-        self._queued: list[tuple] = []                             # (accepted, window, conf) per step, not taken in yet
+        self._queued: list[tuple] = []                             # (accepted, window, conf) of the steps kept
         self._ceiling = BlockAcceptEstimator(gamma)
         self._plain: list[tuple] = []                              # (windows, accepted): plain ceiling records kept
         S = batch.num_slots + 1 if batch is not None else 0
@@ -98,8 +98,8 @@ class SpecMetrics:
         return np.maximum(o.count - 1, 0), (np.minimum(o.windows, o.verified) if self.mode.trims else o.verified)
 
     def observe(self, result) -> None:
-        """After the engine applied `result`: feed the ceiling (what needs the batch as it is now,
-        a trimmed step's pending drafts, is settled now) and keep the rest for `flush`."""
+        """After the engine applied `result`: settle now what needs the batch as it is now (a
+        trimmed step's pending drafts and chains) and keep the rest, plain records too, for `flush`."""
         d = result.decode
         if d is None or not len(d.slots) or not self.gamma:
             return

@@ -121,7 +121,8 @@ class StepHandle:
         decode = None
         R = len(plan.decode_slots)
         if R:
-            decode = DecodeRows(plan.decode_slots, plan.decode_generations, DecodeOut.unpack(*self.decode, self.gamma, R))
+            out = DecodeOut.unpack(*self.decode, self.gamma, R)      # the tier's first R rows: the requests
+            decode = DecodeRows(plan.decode_slots, plan.decode_generations, out)
         wp = plan.windows
         return StepResult(prefill, decode, self.step, wp.predicted_step_time if wp else float("nan"),
                           time.perf_counter() - self.t0, self.tier)
