@@ -241,8 +241,8 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     recorder = CalibrationRecorder()
     eng.extra_observers.append(recorder)
     m = eng.metrics
-    m.position_trials = [0] * eng.gamma
-    m.position_accepts = [0] * eng.gamma
+    m.position_trials[:] = 0                  # this run's counts only
+    m.position_accepts[:] = 0
     outs = llm.generate(prompts, params, use_tqdm=False)
     eng.extra_observers.remove(recorder)
     rec, g = recorder.records, eng.gamma
@@ -256,7 +256,7 @@ def record_spec(llm, prompts, params) -> tuple[torch.Tensor, torch.Tensor, torch
     groups = torch.tensor([prompt_of.setdefault(r[3], len(prompt_of)) for r in rec], dtype=torch.int64)
     steps = sum(o.spec["steps"] for o in outs)
     tau = sum(o.spec["committed"] for o in outs) / max(1, steps)
-    cond = [a / t if t else None for a, t in zip(m.position_accepts, m.position_trials)]
+    cond = [a / t if t else None for a, t in zip(m.position_accepts.tolist(), m.position_trials.tolist())]
     rep = repeated_ngram_fraction([(p, o.token_ids) for p, o in zip(prompts, outs)])
     return z, labels, valid, groups, {"tau": round(tau, 4), "steps": steps, "conditional_acceptance": cond,
                               "repeated_4gram_fraction": round(rep, 4)}

@@ -39,7 +39,6 @@ class RunningBatch:
         self.decode_inflight = np.zeros(S, dtype=np.int64)
         self.prompt_len = np.zeros(S, dtype=np.int64)
         self.limit_len = np.zeros(S, dtype=np.int64)
-        self.max_tokens = np.zeros(S, dtype=np.int64)
         self.ignore_eos = np.zeros(S, dtype=bool)
         self.greedy = np.zeros(S, dtype=bool)
         self.truncates = np.zeros(S, dtype=bool)
@@ -66,7 +65,7 @@ class RunningBatch:
         self.req[s], self.live[s] = req, True
         self.num_computed[s], self.inflight[s], self.decode_inflight[s] = (req._num_computed, req._inflight,
                                                                             req._decode_inflight)
-        self.prompt_len[s], self.limit_len[s], self.max_tokens[s] = len(req.prompt_ids), req.limit_len, p.max_tokens
+        self.prompt_len[s], self.limit_len[s] = len(req.prompt_ids), req.limit_len
         self.ignore_eos[s], self.greedy[s], self.truncates[s] = p.ignore_eos, p.greedy, p.truncates
         self.text[s] = req.stream_text or bool(p.stop)
         self.decoding[s], self.reserved[s] = False, 0
@@ -103,15 +102,14 @@ class RunningBatch:
         self.out_len[s] = n + len(ids)
 
     def append_rows(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
-        """Append `tokens[i, :counts[i]]` to slot `slots[i]`'s output, every row at once."""
+        """Append `tokens[i, :counts[i]]` to slot `slots[i]`'s output, every row at once. Whole rows
+        are written (one assignment, no mask): the tokens past a row's count land beyond its
+        `out_len`, where nothing reads them, and the next append writes over them."""
         if not len(slots):
             return
         start = self.out_len[slots]
-        self._fit(int((start + counts).max()))
-        k = np.arange(tokens.shape[1])
-        keep = k[None, :] < counts[:, None]
-        rows = np.broadcast_to(slots[:, None], tokens.shape)[keep]
-        self.out[rows, (start[:, None] + k[None, :])[keep]] = tokens[keep]
+        self._fit(int(start.max()) + tokens.shape[1])
+        self.out[slots[:, None], start[:, None] + np.arange(tokens.shape[1])] = tokens
         self.out_len[slots] = start + counts
 
     def _fit(self, n: int) -> None:

@@ -61,6 +61,8 @@ class DeviceState:
 
     def apply(self, w: "StateWrites") -> None:
         """Copy the host's writes into the state (stream-ordered; a few small copies)."""
+        if not (w.params or w.anchors or w.tables):         # most steps: nothing new
+            return
         dev = self.device
         if w.params:
             cols = list(zip(*w.params))

@@ -34,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
+from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from .batch import RunningBatch
@@ -237,7 +238,9 @@ class LLMEngine:
     @eos_ids.setter
     def eos_ids(self, ids) -> None:
         self._eos_ids = set(ids)
-        self.eos = np.array(sorted(self._eos_ids), dtype=np.int64)      # the commit's array form
+        # the commit's array form: a table by token id, so any number of EOS ids is one gather
+        self.is_eos = np.zeros(max([self.model_config.vocab_size, *(i + 1 for i in self._eos_ids)]), dtype=bool)
+        self.is_eos[list(self._eos_ids)] = True
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.in_flight)
@@ -276,7 +279,7 @@ class LLMEngine:
     def phase(self, name: str):
         """Time a phase of `step` into the clock (and name it in a torch profile)."""
         t = time.perf_counter()
-        with record_function(name):
+        with record_function(name) if _profiler_enabled() else nullcontext():   # a marker costs µs unprofiled
             yield
         self.clock.add(name, time.perf_counter() - t)
 
@@ -297,13 +300,12 @@ class LLMEngine:
         """Start the step on the device and return its `StepHandle` without waiting. What the
         host already knows is applied here: prefill rows advance `num_computed`, the in-flight
         counters grow, new slots get their sampling parameters, new blocks reach the device."""
-        b, w, plan = self.batch, self.writes, StepPlan()
-        dec = sched.decode
+        b, w, dec = self.batch, self.writes, sched.decode
+        plan = StepPlan(decode_slots=dec, decode_generations=b.generation[dec])
         for req in self.scheduler.changed:   # new slots and new blocks: only requests that changed
             self._sync_state(req)
         self.scheduler.changed.clear()
         if len(dec):                         # first: a policy may refuse the step before anything has changed
-            plan.decode_slots, plan.decode_generations = dec, b.generation[dec]
             plan.windows = self.windows.plan(DecodeRows(dec, plan.decode_generations, None, b.req[dec]),
                                              self.executor.steps)
             for req in sched.joined:         # it became decoding on the host (prompt or prefix hit)
@@ -359,8 +361,9 @@ class LLMEngine:
             self._commit_chunk(r, out)
         seen = result
         if result.decode is not None:
-            rows = self._commit_decode(result.decode, out)
-            seen = dataclasses.replace(result, decode=result.decode.select(rows))
+            applied = self._commit_decode(result.decode, out)
+            if applied is not result.decode:
+                seen = dataclasses.replace(result, decode=applied)
         for o in self.observers:
             o.observe(seen)
 
@@ -378,48 +381,49 @@ class LLMEngine:
             return
         out.add(self._apply(req, [r.token]))
 
-    def _commit_decode(self, d: DecodeRows, out: StepOutputs) -> np.ndarray:
-        """Commit every decode row with array operations; returns the rows applied. A request's
-        object is touched only if it finishes, needs its text, or crosses a KV block."""
-        b, o = self.batch, d.out
-        s = d.slots
+    def _commit_decode(self, d: DecodeRows, out: StepOutputs) -> DecodeRows:
+        """Commit every decode row with array operations; returns the rows applied (`d` itself when
+        all were: no copy). A request's object is touched only if it finishes, needs its text, or
+        crosses a KV block."""
+        b, s = self.batch, d.slots
         d.requests = b.req[s]                                    # (before any of them finishes below)
         live = b.live[s] & (b.generation[s] == d.generations)    # the request of the row is still here
-        sl = s[live]
-        b.inflight[sl] -= 1
-        b.decode_inflight[sl] -= 1
-        for i in np.flatnonzero(live & (o.finite == 0)).tolist():   # its numbers broke: it fails alone
-            out.add(self._finish(b.req[s[i]], "error", error="the model produced non-finite logits for this request"))
-        rows = np.flatnonzero(live & (o.finite != 0))
-        s, count, toks = s[rows], o.count[rows], o.tokens[rows]
+        b.inflight[s] -= live                                    # (a step's slots are distinct)
+        b.decode_inflight[s] -= live
+        applied = live & (d.out.finite != 0)
+        if not applied.all():
+            for i in np.flatnonzero(live & ~applied).tolist():   # its numbers broke: it fails alone
+                out.add(self._finish(b.req[s[i]], "error",
+                                     error="the model produced non-finite logits for this request"))
+            d = d.select(applied)
+        s, o = d.slots, d.out
+        count, toks = o.count, o.tokens
         before = b.num_computed[s]
-        b.num_computed[s] = before + count
-        self._count(s, o, rows)
+        end = before + count
+        b.num_computed[s] = end
+        self._count(s, o)
         # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
         # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
-        n_out = b.out_len[s]
-        room = np.maximum(1, np.minimum(b.max_tokens[s] - n_out, self.max_model_len - b.prompt_len[s] - n_out))
+        n_out = b.out_len[s]        # limit_len - prompt_len = min(max_tokens, max_model_len - prompt_len)
+        room = np.maximum(1, b.limit_len[s] - b.prompt_len[s] - n_out)
         take = np.minimum(count, room)
         length = count >= room
-        stop = np.zeros(len(s), dtype=bool)
-        if len(self.eos):
-            k = np.arange(toks.shape[1])
-            eos = toks == self.eos[0]                   # a few ids: compares beat np.isin's sort
-            for e in self.eos[1:]:
-                eos |= toks == e
-            eos &= (k[None, :] < take[:, None]) & ~b.ignore_eos[s][:, None]
-            stop = eos.any(1)
-            take = np.where(stop, eos.argmax(1) + 1, take)
+        eos = self.is_eos[toks] & (np.arange(toks.shape[1]) < take[:, None])
+        stop = eos.any(1) & ~b.ignore_eos[s]
+        take = np.where(stop, eos.argmax(1) + 1, take)
         b.append_rows(s, toks, take)
         own = stop | length | b.text[s]                 # these get a RequestOutput of their own below
         quiet = ~own
-        out.add_rows(d.requests[rows][quiet], toks[quiet], take[quiet], b.spec[s[quiet]], b.out_len[s[quiet]])
+        out.add_rows(d.requests[quiet], toks[quiet], take[quiet], b.spec[s[quiet]], b.out_len[s[quiet]])
         # Python only for the rows that need it
-        S, W = self.scheduler.settle_tokens, self.scheduler.window_kept     # runs of blocks (scheduler.py)
-        crossed = ((before + count) // S > before // S) | ((before + count - W) // S > (before - W) // S)
+        S = self.scheduler.settle_tokens                 # runs of blocks (scheduler.py), and the window's
+        W = self.scheduler.window_kept % S               # edge (a shift by whole runs crosses the same ones)
+        crossed = end // S > before // S
+        if W:
+            crossed |= (end - W) // S > (before - W) // S
         first = n_out == 0
-        for i in np.flatnonzero(own | crossed | first).tolist():
-            req = d.requests[rows[i]]
+        for i in (own | crossed | first).nonzero()[0].tolist():
+            req = d.requests[i]
             if first[i] and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if crossed[i]:
@@ -427,24 +431,23 @@ class LLMEngine:
             if own[i]:
                 new = toks[i, :take[i]].tolist()
                 out.add(self._text(req, new, "stop" if stop[i] else "length" if length[i] else None))
-        applied = np.zeros(len(d.slots), dtype=bool)
-        applied[rows] = True
-        return applied
+        return d
 
     @property
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, slots: np.ndarray, o, rows: np.ndarray) -> None:
-        """The rows' SpecStats, all at once (request.py names the counters)."""
+    def _count(self, slots: np.ndarray, o) -> None:
+        """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
-        spec, count = self.batch.spec, o.count[rows]
-        win = o.windows[rows]
-        verified = np.minimum(win, o.verified[rows]) if self.verify_mode.trims else o.verified[rows]
-        add = np.stack([np.ones_like(count), np.full_like(count, self.gamma), verified, count - 1, count,
-                        o.ceiling[rows] + 1 if self.verify_mode.reports_ceiling else np.zeros_like(count)], 1)
-        spec[slots] += add
+        mode, count = self.verify_mode, o.count
+        add = np.empty((len(slots), self.batch.spec.shape[1]), dtype=np.int64)
+        add[:, 0], add[:, 1] = 1, self.gamma                                  # steps, drafted
+        add[:, 2] = np.minimum(o.windows, o.verified) if mode.trims else o.verified
+        add[:, 3], add[:, 4] = count - 1, count                               # accepted, committed
+        add[:, 5] = o.ceiling + 1 if mode.reports_ceiling else 0
+        self.batch.spec[slots] += add
 
     def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Commit one request's new tokens (a prefill sample): stops, text, blocks."""

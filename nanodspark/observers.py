@@ -14,7 +14,11 @@ that *measures* reads those results after the engine has applied them:
 fully accepted, its remaining drafts are compared with the tokens the target actually committed
 at their positions (exact under greedy decoding), as SGLang's estimator does.
 
-Observers read a step's rows as arrays (step.py `DecodeRows`): no Python per request.
+Observers read a step's rows as arrays (step.py `DecodeRows`): no Python per request. At batch 1
+a step's arithmetic is a few dozen numpy calls on one row, each costing more than its work, so
+both keep the step's arrays and take them in every `FLUSH_EVERY` steps in one go; everything
+that reads them (`summary`, the properties, `estimate`) flushes first. The statistics are sums
+(and the ECE's `index_add_` adds in row order), so the numbers are those of a step-by-step update.
 
 Invariants: observers never change a request or the engine; a request's pending remainder is
 settled at the latest when it finishes (`release`).
@@ -37,7 +41,7 @@ DEFAULT_CEILING_RECORDS = 4096   # sliding window of the ceiling estimator, in r
 STEP_TIMES_KEPT = 256            # (predicted, measured) pairs kept for /metrics
 
 
-ECE_EVERY = 16                   # steps between updates of the online ECE histograms
+FLUSH_EVERY = 64                 # steps (or record batches) an observer keeps before taking them in
 
 
 class SpecMetrics:
@@ -46,11 +50,12 @@ class SpecMetrics:
 
     def __init__(self, gamma: int, mode: VerifyMode, batch=None):
         self.gamma, self.mode, self.batch = gamma, mode, batch
-        self.position_trials = np.zeros(gamma, dtype=np.int64)     # verified drafts at position k
-        self.position_accepts = np.zeros(gamma, dtype=np.int64)    # ... of which accepted
-        self.online = OnlineCalibrationMetrics(gamma)
-        self._ece: list[tuple] = []                                # updates waiting for the next flush
-        self.ceiling = BlockAcceptEstimator(gamma)
+        self._trials = np.zeros(gamma, dtype=np.int64)             # verified drafts at position k
+        self._accepts = np.zeros(gamma, dtype=np.int64)            # ... of which accepted
+        self._online = OnlineCalibrationMetrics(gamma)
+        self._queued: list[tuple] = []                             # (accepted, window, conf) of the steps kept
+        self._ceiling = BlockAcceptEstimator(gamma)
+        self._plain: list[tuple] = []                              # (windows, accepted): plain ceiling records kept
         S = batch.num_slots + 1 if batch is not None else 0
         # a trimmed compact step whose window was fully accepted, by slot: its remaining drafts wait
         # for the tokens the target commits at their positions (then the record goes in)
@@ -59,42 +64,78 @@ class SpecMetrics:
         self.p_drafts = np.zeros((S, gamma), dtype=np.int64)
         self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
 
+    # what is read flushes the steps kept so far first
+    @property
+    def position_trials(self) -> np.ndarray:
+        self.flush()
+        return self._trials
+
+    @property
+    def position_accepts(self) -> np.ndarray:
+        self.flush()
+        return self._accepts
+
+    @property
+    def online(self) -> OnlineCalibrationMetrics:
+        self.flush()
+        return self._online
+
+    @property
+    def ceiling(self) -> "BlockAcceptEstimator":
+        """The estimator, the plain records kept so far taken in first: a chain recorded through
+        here (a trimmed step's) then goes in after them, in step order, as the ring's window needs."""
+        self._take_plain()
+        return self._ceiling
+
+    def _take_plain(self) -> None:
+        if self._plain:
+            w, a = (np.concatenate(x) for x in zip(*self._plain))
+            self._plain = []
+            self._ceiling.record_many(w, a)
+
+    def _labels(self, o) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: the drafts accepted, and the window verified (the prefix labels' length)."""
+        return np.maximum(o.count - 1, 0), (np.minimum(o.windows, o.verified) if self.mode.trims else o.verified)
+
     def observe(self, result) -> None:
-        """After the engine applied `result`: count, calibrate and feed the ceiling, one array
-        operation per statistic over the step's rows."""
+        """After the engine applied `result`: settle now what needs the batch as it is now (a
+        trimmed step's pending drafts and chains) and keep the rest, plain records too, for `flush`."""
         d = result.decode
         if d is None or not len(d.slots) or not self.gamma:
             return
-        o, k = d.out, np.arange(self.gamma)
-        acc = np.maximum(o.count - 1, 0)
-        win = np.minimum(o.windows, o.verified) if self.mode.trims else o.verified
-        accepted = k < acc[:, None]                          # [n, gamma]: the prefix labels
-        tried = k < np.minimum(acc + 1, win)[:, None]        # scored, up to the first rejection
-        self.position_trials += tried.sum(0)
-        self.position_accepts += (tried & accepted).sum(0)
-        if self.pending.any():
-            self._settle(self.pending.copy())
-        plain = self._track_ceiling(d, win, acc)
-        self.ceiling.record_many(win[plain], acc[plain])
-        conf = o.conf.astype(np.float64)
-        surv = np.cumprod(np.clip(np.where(np.isnan(conf), 0.0, conf), 0.0, 1.0), axis=1)   # NaN counts as 0
-        self._ece.append((surv, accepted, k < win[:, None]))
-        if len(self._ece) >= ECE_EVERY:
-            self._flush_ece()
+        acc, win = self._labels(d.out)
+        if self.mode.trims:
+            if self.pending.any():
+                self._settle(self.pending.copy())
+            plain = self._track_ceiling(d, win, acc)
+            self._plain.append((win[plain], acc[plain]))
+        else:                                                # every row is a plain record
+            self._plain.append((win, acc))
+        self._queued.append((acc, win, d.out.conf))
+        if len(self._queued) >= FLUSH_EVERY:
+            self.flush()
         self.step_times.append((result.predicted_step_time, result.seconds))
 
-    def _flush_ece(self) -> None:
-        if self._ece:
-            surv, lab, valid = (np.concatenate(x) for x in zip(*self._ece))
-            self._ece = []
-            self.online.update(torch.from_numpy(surv), torch.from_numpy(lab), torch.from_numpy(valid))
+    def flush(self) -> None:
+        """Count, then calibrate, the kept steps' rows: one array operation per statistic."""
+        self._take_plain()
+        if not self._queued:
+            return
+        acc, win, conf = (np.concatenate(x) for x in zip(*self._queued))
+        self._queued = []
+        k = np.arange(self.gamma)
+        accepted = k < acc[:, None]                          # [n, gamma]: the prefix labels
+        tried = k < np.minimum(acc + 1, win)[:, None]        # scored, up to the first rejection
+        self._trials += tried.sum(0)
+        self._accepts += (tried & accepted).sum(0)
+        conf = conf.astype(np.float64)
+        surv = np.cumprod(np.clip(np.where(np.isnan(conf), 0.0, conf), 0.0, 1.0), axis=1)   # NaN counts as 0
+        self._online.update(torch.from_numpy(surv), torch.from_numpy(accepted), torch.from_numpy(k < win[:, None]))
 
     def _track_ceiling(self, d, win: np.ndarray, acc: np.ndarray) -> np.ndarray:
-        """cap-accept observes the ceiling directly; a trimmed compact step whose window was fully
-        accepted leaves its remaining drafts pending. Returns the mask of the rows left: plain records."""
-        plain = np.ones(len(win), dtype=bool)
-        if not self.mode.trims:
-            return plain
+        """A trimming mode's step: cap-accept observes the ceiling directly; a trimmed compact step
+        whose window was fully accepted leaves its remaining drafts pending. Returns the mask of
+        the rows left: plain records."""
         o, g = d.out, self.gamma
         full = acc == win
         if self.mode.reports_ceiling:
@@ -105,6 +146,7 @@ class SpecMetrics:
             rejected = np.where(known, (o.ceiling < o.verified) & (over < g - win), acc < win)
             self.ceiling.record_chains(run, rejected, win, acc)
             return np.zeros(len(win), dtype=bool)
+        plain = np.ones(len(win), dtype=bool)
         if self.batch is not None:
             rows = np.flatnonzero(full & (win < g))
             s = d.slots[rows]
@@ -147,7 +189,6 @@ class SpecMetrics:
 
     def summary(self) -> dict:
         """Engine-level DSpark metrics (the server exports these on /metrics)."""
-        self._flush_ece()
         pred = [p for p, _ in self.step_times if p == p]
         meas = [m for p, m in self.step_times if p == p]
         est = self.ceiling.estimate()
@@ -240,10 +281,23 @@ class BlockAcceptEstimator:
         # ring of max_records rows; n of them are live, the oldest at (head - n) % max_records.
         self._ring = np.zeros((max_records, 4), dtype=np.int64)
         self._head = self._n = 0
-        self.at_risk = np.zeros(gamma, dtype=np.int64)
-        self.accepted = np.zeros(gamma, dtype=np.int64)
+        self._queued: list[tuple] = []      # records' four columns, in order, not in the ring yet
+        self._at_risk = np.zeros(gamma, dtype=np.int64)
+        self._accepted = np.zeros(gamma, dtype=np.int64)
         self._sum_delivered = 0
         self._sum_window = 0
+
+    @property
+    def at_risk(self) -> np.ndarray:
+        """Records that reached position k (read: the queue is taken in first)."""
+        self._flush()
+        return self._at_risk
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """... of which accepted there."""
+        self._flush()
+        return self._accepted
 
     def _chain(self, window: int, accepted: int, remainder) -> list[bool]:
         """Observed verdicts for positions 1.. (stops after the first rejection or unknown)."""
@@ -262,13 +316,24 @@ class BlockAcceptEstimator:
         """Add (sign +1) or remove (-1) records [m, 4] from the per-position counts."""
         k = np.arange(self.gamma)
         runs, rejected = rows[:, 0:1], rows[:, 1:2]
-        self.at_risk += sign * (k < runs + rejected).sum(0)
-        self.accepted += sign * (k < runs).sum(0)
+        self._at_risk += sign * (k < runs + rejected).sum(0)
+        self._accepted += sign * (k < runs).sum(0)
         self._sum_delivered += sign * int((rows[:, 3] + 1).sum())
         self._sum_window += sign * int(rows[:, 2].sum())
 
-    def _push(self, rows: np.ndarray) -> None:
-        """Append records, dropping the oldest beyond max_records."""
+    def _push(self, *columns) -> None:
+        """Queue records given as their four columns; `_flush` takes them in."""
+        self._queued.append(columns)
+        if len(self._queued) >= FLUSH_EVERY:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Append the queued records in order, dropping the oldest beyond max_records (one ring
+        write and one count update for all of them: the counts are sums, so this is exact)."""
+        if not self._queued:
+            return
+        rows = np.stack([np.concatenate(c) for c in zip(*self._queued)], axis=1)
+        self._queued = []
         rows = rows[-self.max_records:]
         m, cap = len(rows), self.max_records
         at = (self._head + np.arange(m)) % cap
@@ -283,26 +348,27 @@ class BlockAcceptEstimator:
         """Add one request-step; the oldest record is dropped beyond `max_records`."""
         chain = self._chain(window, accepted, remainder)
         run = chain.index(False) if False in chain else len(chain)
-        self._push(np.array([[run, len(chain) - run, window, accepted]], dtype=np.int64))
+        self._push(*(np.array([x], dtype=np.int64) for x in (run, len(chain) - run, window, accepted)))
 
     def record_chains(self, runs, rejected, windows, accepted) -> None:
         """Records given as their chains: `runs` accepted verdicts then, where `rejected`, one
         rejection (the array form of `record` with a remainder)."""
-        r = np.asarray(runs, dtype=np.int64)
+        r = np.array(runs, dtype=np.int64)              # copies: the queue must not see later changes
         if len(r):
-            self._push(np.stack([r, np.asarray(rejected, dtype=np.int64), np.asarray(windows, dtype=np.int64),
-                                 np.asarray(accepted, dtype=np.int64)], axis=1))
+            self._push(r, np.array(rejected, dtype=np.int64), np.array(windows, dtype=np.int64),
+                       np.array(accepted, dtype=np.int64))
 
     def record_many(self, windows, accepted) -> None:
         """`record(w, a)` for each pair, without remainders, in one array operation."""
-        w, a = np.asarray(windows, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
+        w, a = np.array(windows, dtype=np.int64), np.array(accepted, dtype=np.int64)   # copies, as above
         if not len(w):
             return
         if ((a < 0) | (a > w) | (w > self.gamma)).any():
             raise ValueError(f"need 0 <= accepted <= window <= gamma={self.gamma}")
-        self._push(np.stack([a, (a < w).astype(np.int64), w, a], axis=1))
+        self._push(a, a < w, w, a)
 
     def estimate(self) -> CeilingEstimate:
+        self._flush()
         n = self._n
         # A position nobody reached because the survival before it is already 0 contributes 0;
         # one that is unknown for lack of data (censored) stays nan.

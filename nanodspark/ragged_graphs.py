@@ -104,6 +104,7 @@ class StaticInputs:
         # Two host copies, used in turn: while step n+1 is written, step n's copy may still be
         # queued behind step n-1 on the stream (the overlapped loop), so it needs its own.
         self.hosts = [torch.zeros(3 * max_slots + 2, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.host_arrays = [h.numpy() for h in self.hosts]     # numpy views of them, to write into
         self.turn = 0
 
     def batch(self, slots: int):
@@ -117,7 +118,7 @@ class StaticInputs:
         that used it has been read (at most one step is in flight), so its copy has run."""
         self.turn ^= 1
         M, R = self.max_slots, len(slots)
-        h = self.hosts[self.turn].numpy()
+        h = self.host_arrays[self.turn]
         h[:R] = slots
         h[R:tier_slots] = scratch
         h[M:M + tier_slots] = 0

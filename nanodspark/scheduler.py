@@ -258,7 +258,7 @@ class Scheduler:
             if b.live[s]:                                  # (a preemption below may have taken it)
                 self._reserve(req, self.reservation(req, decode_rows), out)
         dec = dec[b.live[dec] & b.decoding[dec]]          # without the preempted
-        out.decode = list(dec)
+        admitted = []                                     # slots admitted decoding (a full prefix hit)
         budget -= decode_rows * len(dec)
         # 2. running requests still prefilling: the next chunk
         for req in list(self.prefilling):
@@ -299,13 +299,13 @@ class Scheduler:
             b.reserved[req.slot] = self._reserved(req)
             if decoding:
                 b.decoding[req.slot] = True
-                out.decode.append(req.slot)
+                admitted.append(req.slot)
                 out.joined.append(req)
             else:
                 self.prefilling[req] = None
                 out.prefill.append((req, rows))
             budget -= rows
-        out.decode = np.asarray(out.decode, dtype=np.int64)
+        out.decode = np.concatenate([dec, admitted]).astype(np.int64) if admitted else dec
         return out
 
     def admission_due(self, n_decoding: int, prefilling: bool) -> bool:

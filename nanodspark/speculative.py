@@ -73,20 +73,20 @@ class DecodeOut:
         return (torch.cat([t.reshape(-1) for t in f[:self.INTS]]), torch.cat([t.reshape(-1) for t in f[self.INTS:]]))
 
     @classmethod
-    def unpack(cls, ints: torch.Tensor, floats: torch.Tensor, gamma: int) -> "DecodeOut":
-        """`pack`'s inverse on the host: numpy views of the two copies."""
+    def unpack(cls, ints: torch.Tensor, floats: torch.Tensor, gamma: int, rows: int | None = None) -> "DecodeOut":
+        """`pack`'s inverse on the host: numpy views of the two copies, of their first `rows` rows
+        (the requests of a padded tier; all rows by default)."""
         i, f = ints.numpy(), floats.numpy()
-        R = len(i) // (2 * gamma + 6)
-        sizes = [R * (gamma + 1), R * gamma, R, R, R, R, R]
-        shapes = [(R, gamma + 1), (R, gamma), (R,), (R,), (R,), (R,), (R,)]
-        parts = np.split(i, np.cumsum(sizes)[:-1])
-        conf, logits = np.split(f, 2) if gamma else (f[:0], f[:0])
-        return cls(*(a.reshape(sh) for a, sh in zip(parts, shapes)), conf.reshape(R, gamma),
-                   logits.reshape(R, gamma))
-
-    def head(self, n: int) -> "DecodeOut":
-        """The first n rows (the requests of a padded tier)."""
-        return DecodeOut(*(x[:n] for x in self.fields()))
+        T = len(i) // (2 * gamma + 6)                  # the rows packed
+        n = T if rows is None else rows
+        fields, at = [], 0
+        for width in (gamma + 1, gamma, None, None, None, None, None):    # None: one value per row
+            size = T * (1 if width is None else width)
+            a = i[at:at + size]
+            fields.append(a[:n] if width is None else a.reshape(T, width)[:n])
+            at += size
+        conf, logits = f[:T * gamma].reshape(T, gamma)[:n], f[T * gamma:].reshape(T, gamma)[:n]
+        return cls(*fields, conf, logits)
 
 
 class SpecStep:

@@ -121,7 +121,7 @@ class StepHandle:
         decode = None
         R = len(plan.decode_slots)
         if R:
-            out = DecodeOut.unpack(*self.decode, self.gamma).head(R)
+            out = DecodeOut.unpack(*self.decode, self.gamma, R)      # the tier's first R rows: the requests
             decode = DecodeRows(plan.decode_slots, plan.decode_generations, out)
         wp = plan.windows
         return StepResult(prefill, decode, self.step, wp.predicted_step_time if wp else float("nan"),
@@ -141,6 +141,8 @@ class Executor:
         self.graphs = RaggedGraphs(self._decode, self.inputs, self.tiers, device, cuda_graphs, scratch)
         self.steps = 0
         self.cuda = torch.device(device).type == "cuda"
+        self.no_samples = torch.zeros(0, dtype=torch.long, device=device)     # a step without prefill
+        self._tier_of: dict[tuple[int, int], tuple[int, int]] = {}           # (requests, tokens) -> tier
 
     def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool):
         return self.spec(batch, tokens, greedy_only, truncates).pack()
@@ -161,12 +163,14 @@ class Executor:
         decode, tier = (), None
         R = len(plan.decode_slots)
         if R:
-            w = plan.windows
-            tier = pick_tier(self.tiers, R, self.tokens_needed(plan)) or (R, self.tokens_needed(plan))
+            w, need = plan.windows, (R, self.tokens_needed(plan))
+            tier = self._tier_of.get(need)
+            if tier is None:                  # the tiers are fixed: a pair always picks the same one
+                tier = self._tier_of[need] = pick_tier(self.tiers, *need) or need
             self.inputs.write(plan.decode_slots, self.scratch, tier[0], w.window_cap, self.gamma, w.budget, w.trim)
             decode = self.graphs.run(tier, (plan.greedy_only, plan.truncates))
         if sampled is None:
-            sampled = torch.zeros(0, dtype=torch.long, device=self.device)
+            sampled = self.no_samples
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in (sampled, *decode)]
         for h, d in zip(host, (sampled, *decode)):
             h.copy_(d, non_blocking=self.cuda)

@@ -428,6 +428,48 @@ def test_ceiling_record_many_equals_records_one_by_one_through_the_window_edge()
         many.record_many([2], [3])
 
 
+def test_spec_metrics_read_mid_run_equal_a_step_by_step_update():
+    """The observers keep steps and take them in every FLUSH_EVERY steps: whenever they are read
+    (summary, the properties, the estimator), the numbers are those of the unbatched update,
+    computed here step by step from the same rows (past the ring's 4096 records: its edge too)."""
+    from nanodspark.calibration import OnlineCalibrationMetrics
+    from nanodspark.observers import FLUSH_EVERY, SpecMetrics
+    from nanodspark.speculative import DecodeOut
+    from nanodspark.step import DecodeRows, StepResult
+    from nanodspark.verify import VerifyMode
+
+    g, rng = 4, np.random.default_rng(5)
+    m = SpecMetrics(g, VerifyMode.STATIC)
+    trials, accepts = np.zeros(g, np.int64), np.zeros(g, np.int64)
+    online, ceiling = OnlineCalibrationMetrics(g), BlockAcceptEstimator(g)
+    reads = 0
+    for step in range(5 * FLUSH_EVERY + 3):
+        R = int(rng.integers(1, 120))
+        count = rng.integers(1, g + 2, R)
+        conf = rng.random((R, g)).astype(np.float32)
+        conf[rng.random((R, g)) < 0.05] = np.nan
+        z = np.zeros(R, np.int64)
+        out = DecodeOut(np.zeros((R, g + 1), np.int64), np.zeros((R, g), np.int64), count, z + g, z + g, z, z + 1,
+                        conf, conf)
+        m.observe(StepResult([], DecodeRows(np.arange(R), z, out), step, seconds=0.001))
+        for c, row in zip(count.tolist(), conf.astype(np.float64)):        # the unbatched update, row by row
+            a = c - 1
+            trials[:min(a + 1, g)] += 1
+            accepts[:a] += 1
+            surv = np.cumprod(np.clip(np.nan_to_num(row, nan=0.0), 0.0, 1.0))
+            online.update(torch.from_numpy(surv[None]), torch.from_numpy(np.arange(g) < a)[None])
+            ceiling.record(g, a)
+        if rng.random() < 0.3 or step % FLUSH_EVERY == FLUSH_EVERY - 1:
+            reads += 1
+            got, want = m.ceiling.estimate(), ceiling.estimate()
+            assert (got.at_risk, got.records, got.delivered) == (want.at_risk, want.records, want.delivered)
+            assert m.position_trials.tolist() == trials.tolist() and m.position_accepts.tolist() == accepts.tolist()
+            for name in ("count", "sum_pred", "sum_label"):
+                assert torch.equal(getattr(m.online, name), getattr(online, name)), name
+            assert m.summary()["online_ece"] == [float(e) for e in online.ece()]
+    assert reads > 10 and ceiling.estimate().records == m.ceiling.max_records
+
+
 def test_ceiling_sliding_window_and_wilson():
     est = BlockAcceptEstimator(gamma=2, max_records=2)
     est.record(2, 0)
