@@ -41,7 +41,7 @@ FIGURES = [
     FigureSpec("benchmarks/timeline_bs1_h200_steps", "timeline-steps", "benchmarks/timeline_bs1_h200.json"),
     FigureSpec("benchmarks/drafter/reliability", "reliability", "benchmarks/drafter/train_heads_report.json"),
     FigureSpec("benchmarks/kv_blocks_cpu", "kv-blocks", None),
-    FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_h200.json",
+    FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_overlap_table_h200.json",
                ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"),
                ("default pair", "SmolLM2-135M pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17"),
                ("benchmarks/steady_state_smollm2_h200.json",)),

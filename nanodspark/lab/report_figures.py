@@ -37,7 +37,7 @@ _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requ
            "cpu_2000_seed1": "CPU, 2,000 requests at 64, a second call (`--seed 1`)",
            "h200": "H200, 2,000 requests at 64"}
 
-def _profile(name: str, path: str, gamma: int, hardware: str) -> Figure:
+def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64, 128, 256)) -> Figure:
     """A step-cost profile: per batch size, the raw step at K = 0 and with full blocks, their
     ratio, the trend gate's z and what the table (monotone, gated) keeps for full blocks."""
     return Figure(name, {"t": path}, hardware,
@@ -46,7 +46,7 @@ def _profile(name: str, path: str, gamma: int, hardware: str) -> Figure:
                   [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
                     "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
                     "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
-                  [{"b": b, "k": gamma * b} for b in (1, 16, 64, 128, 256)])
+                  [{"b": b, "k": gamma * b} for b in batches])
 
 
 def _simulator_check(name: str, pair: str, hardware: str) -> Figure:
@@ -125,28 +125,42 @@ FIGURES = [
             {"run": "engine_new_1", "name": "after, 1"}, {"run": "engine_new_2", "name": "after, 2"}],
            command="`bash tests/device/measure.sh step` (its `bench engine` lines; each run's `argv` is in the file)"),
 
-    Figure("gpu-busy-256", {"e": "benchmarks/engine_busy_256_h200.json"},
-           H200 + "; the default pair at batch 256, overlapped loop, no text in the step, 128 new tokens, medians of 2",
-           ["drafter", "tok/s", "τ", "step ms", "GPU busy"],
-           [["no", "<rows[drafter=null].tokens_per_second|,.0f>", "–", "<rows[drafter=null].profile.step_ms|.2f>",
-             "<rows[drafter=null].profile.gpu_busy|.2f>"],
-            ["yes", "<rows[drafter=*].tokens_per_second|,.0f>", "<rows[drafter=*].tau|.2f>",
-             "<rows[drafter=*].profile.step_ms|.2f>", "<rows[drafter=*].profile.gpu_busy|.2f>"]]),
+    Figure("gpu-busy", {"e": "benchmarks/engine_busy_h200.json"},
+           H200 + "; the default pair, overlapped loop, no text in the step, 128 random-token prompts, 128 new tokens, "
+           "medians of 2",
+           ["batch", "drafter", "tok/s", "step ms", "GPU busy", "kernels per step"],
+           [["{b}", "{name}", "<rows[batch={b},drafter={d}].tokens_per_second|,.0f>",
+             "<rows[batch={b},drafter={d}].profile.step_ms|.2f>", "<rows[batch={b},drafter={d}].profile.gpu_busy|.2f>",
+             "<rows[batch={b},drafter={d}].profile.kernels_per_step|.0f>"]],
+           [{"b": b, "d": d, "name": name} for b in (64, 256) for d, name in (("null", "no"), ("*", "yes"))]),
 
-    Figure("serve-http", {"http": "benchmarks/serve_http_h200.json", "same": "benchmarks/steady_state_default_pair_h200.json",
-                          "other": "benchmarks/serve_engine_h200.json"},
-           H200 + "; closed loop, mix workload, greedy, 128 ± 25 % new tokens, prefix cache off, one 5 s window "
-           "(6 s for the separate in-process call) after a warm-up",
-           ["total tok/s", "c = 64, no drafter", "c = 64, drafter", "c = 256, no drafter", "c = 256, drafter"],
-           [["`serve.py` over HTTP"] + [f"<http:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
-                                        for c in ("64", "256") for m in ("no-spec", "static")],
-            ["the engine in-process, same device call"] + [f"<same:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
-                                                           for c in ("64", "256") for m in ("no-spec", "static")],
-            ["the engine in-process, a separate call"] + [f"<other:{_SS}|,.0f>".replace("{m}", m).replace("{c}", c)
-                                                          for c in ("64", "256") for m in ("no-spec", "static")],
-            ["TTFT p50 ms, HTTP · in-process (same call)"] + [
-                f"<http:sweep[mode={m},concurrency={c}].ttft_ms.p50|.0f> · <same:sweep[mode={m},concurrency={c}].ttft_ms.p50|.0f>"
-                for c in ("64", "256") for m in ("no-spec", "static")]]),
+    Figure("host-per-step", {"h": "benchmarks/host_h200.json"},
+           H200 + " (its 16-core host); `bench host`, the default pair with its drafter, synchronous step (the result "
+           "phase holds the wait for the GPU), medians of 12 steps × 3 repeats",
+           ["batch", "schedule", "launch less the forward", "result (with the GPU wait)", "commit", "total",
+            "host work without the GPU wait"],
+           [["{b}", "<rows[batch={b}].schedule|.3f>", "<rows[batch={b}].launch_less_forward|.3f>",
+             "<rows[batch={b}].result|.3f>", "<rows[batch={b}].commit|.3f>", "<rows[batch={b}].total|.2f>",
+             "<rows[batch={b}].schedule + rows[batch={b}].launch_less_forward + rows[batch={b}].commit|.2f> + the "
+             "result's copy"]],
+           [{"b": 1}, {"b": 64}, {"b": 256}]),
+
+    Figure("serve-http", {"http": "benchmarks/serve_http_h200.json",
+                          "same": "benchmarks/steady_state_default_overlap_table_h200.json"},
+           H200 + "; the default pair, closed loop, mix workload, greedy, 128 ± 25 % new tokens, prefix cache off, "
+           "admission in waves; `serve.py` spawned per system (engine core in its own process), one 4 s window after "
+           "2 s; in-process: the sweep of the thesis section, same device call, one 5 s window",
+           ["concurrency", "HTTP, no drafter", "HTTP, drafter", "HTTP: drafter / none", "in-process, no drafter",
+            "in-process, drafter", "HTTP / in-process, no drafter · drafter", "TTFT p50 ms, HTTP · in-process (drafter)"],
+           [["{c}", "<http:sweep[mode=no-spec,concurrency={c}].total_tok_s|,.0f>",
+             "<http:sweep[mode=static,concurrency={c}].total_tok_s|,.0f>",
+             "<http:sweep[mode=static,concurrency={c}].total_tok_s / http:sweep[mode=no-spec,concurrency={c}].total_tok_s|.2f>",
+             "<same:sweep[mode=no-spec,concurrency={c}].total_tok_s|,.0f>",
+             "<same:sweep[mode=static,concurrency={c}].total_tok_s|,.0f>",
+             "<http:sweep[mode=no-spec,concurrency={c}].total_tok_s / same:sweep[mode=no-spec,concurrency={c}].total_tok_s|.2f>"
+             " · <http:sweep[mode=static,concurrency={c}].total_tok_s / same:sweep[mode=static,concurrency={c}].total_tok_s|.2f>",
+             "<http:sweep[mode=static,concurrency={c}].ttft_ms.p50|.0f> · <same:sweep[mode=static,concurrency={c}].ttft_ms.p50|.0f>"]],
+           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
     Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
            "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",
@@ -158,9 +172,10 @@ FIGURES = [
              f"<{k}:memory_start.resident_bytes / 1048576|,.0f> → <{k}:memory_end.resident_bytes / 1048576|,.0f>"]
             for k, name in _SERVER.items()]),
 
-    Figure("thesis-steady-state", {"s": "benchmarks/steady_state_default_h200.json"},
+    Figure("thesis-steady-state", {"s": "benchmarks/steady_state_default_overlap_table_h200.json"},
            H200 + "; the default pair in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, "
-           "prefix cache off, admission in waves (the default), one 6 s window per engine after 2 s, one round",
+           "prefix cache off, admission in waves (the default), compact on the table profiled in the overlapped "
+           "loop, one 5 s window per engine after 2 s, one round",
            ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static-b tok/s",
             "static / no-spec", "compact / static", "A/A: static-b / static"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact", "static-b")]
@@ -209,6 +224,10 @@ FIGURES = [
              H200 + "; the SmolLM2-135M-Instruct pair, whole synchronous steps with CUDA graphs, context 256, mix "
                     "prompts, 3 rounds"),
 
+    _profile("cost-profile-default-overlap", "benchmarks/cost_table_default_overlap_h200.json", 5,
+             H200 + "; the default pair, whole steps timed in the overlapped loop (`--loop overlap`) with CUDA "
+                    "graphs, context 256, mix prompts, 2 rounds", batches=(1, 16, 64, 256)),
+
     _profile("cost-profile-default", "benchmarks/cost_table_default_h200.json", 5,
              H200 + "; the default pair, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
@@ -217,9 +236,9 @@ FIGURES = [
                     "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
     _simulator_check("simulator-check", "default",
-                     "`bench simulate` on a CPU, from the default pair's H200 profiles, the static traces of the sweep "
-                     "above at each concurrency and the overheads fitted to that sweep (`--calibrate-from`); measured: "
-                     "that sweep"),
+                     "`bench simulate` on a CPU, from the default pair's H200 profiles timed in the overlapped loop, "
+                     "the static traces of the sweep above at each concurrency (at 256: 5 MB, not committed) and the "
+                     "overheads fitted to that sweep (`--calibrate-from`); measured: that sweep"),
 
     _simulator_check("simulator-check-smollm2", "smollm2",
                      "`bench simulate` on a CPU, from the SmolLM2 pair's H200 profile (no plain profile: no "

@@ -134,7 +134,8 @@ class Traces:
             ends = np.cumsum(z["steps"])
             starts = ends - z["steps"]
             ids, wls = json.loads(str(z["ids"])), json.loads(str(z["workloads"]))
-            reqs = [RequestTrace(i, z["conf"][a:b].astype(np.float32), z["full"][a:b].astype(np.int64), w, int(p))
+            conf, full = z["conf"].astype(np.float32), z["full"].astype(np.int64)   # z[key] unpacks on every read
+            reqs = [RequestTrace(i, conf[a:b], full[a:b], w, int(p))
                     for i, w, p, a, b in zip(ids, wls, z["prompt_len"], starts, ends)]
             return cls(int(z["gamma"]), reqs, json.loads(str(z["meta"])))
         d = json.loads(path.read_text())

@@ -87,7 +87,9 @@ overlap)
   timeout 250 $new serve --frontend engine --systems no-spec static compact static-b --cost-table "$R/cost_default.json" \
     --concurrency 1 16 64 256 --warmup-s 2 --duration 5 --budget-s 220 --record-traces "$R/traces" \
     --out "$R/thesis_default.json" > "$R/thesis.txt" 2>&1
-  echo "thesis rc=$?"; pack
+  echo "thesis rc=$?"
+  rm -f "$R"/traces/no-spec_* "$R"/traces/compact_* "$R"/traces/static-b_*   # the simulator replays static's; $OUT takes 16 MiB a file
+  pack
   timeout 45 $new host --batches 1 64 256 --steps 12 --repeats 3 --out "$R/host.json" > "$R/host.txt" 2>&1
   echo "host rc=$?"; pack
   timeout 80 $new engine --model $PAIR --drafter $PAIR/drafter --systems overlap --batches 64 256 --max-tokens 128 \

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite on the device machine (one GPU), as the device tool runs it:
-#   carry: [".carry", ".whl"]   command: bash tests/device/run_suite.sh [pytest args, default tests/]
+#   carry: [".carry/shared", ".whl"]   command: bash tests/device/run_suite.sh [pytest args, default tests/]
 # .whl holds the wheels the image lacks (fastapi, uvicorn, prometheus_client, openai and their
-# needs: walkthrough/results/device_notes.md); .carry/shared a copy of ../shared, which does not
+# needs: walkthrough/results/device_notes.md; openai 3.x needs httpx2, httpcore2 and truststore,
+# which the image's httpx is not); .carry/shared a copy of ../shared, which does not
 # travel (mkdir -p .carry/shared && cp -r ../shared/data ../shared/reference .carry/shared/).
 # xdist workers share the GPU (tests/conftest.py gives each 1/N of its memory); each failure's
 # traceback lands in $OUT/failures.txt at once, the whole log in $OUT/suite.log.
