@@ -52,12 +52,12 @@ KV_MARGIN = 1.1              # automatic KV sizing: blocks for the largest batch
 
 
 def drain(eng) -> None:
-    """Commit the overlapped step in flight, if any (untimed): a rebuild, or the end of a profile,
-    must not leave a step of the old batch on the device."""
-    from ..request import StepOutputs
-    handle, eng.in_flight = eng.in_flight, None
-    if handle is not None:
-        eng.commit(handle.result(), StepOutputs())
+    """Let the overlapped step in flight land (untimed, outside the phase clock). Called once the
+    batch is aborted, so the engine's own step schedules nothing and only commits that step: a
+    rebuild, or the end of a profile, leaves no step of the old batch on the device."""
+    with eng.clock.paused():
+        while eng.in_flight is not None:
+            eng.step()
 
 
 def profiled_loop(eng, loop: str) -> bool:
@@ -118,9 +118,9 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
 
     def rebuild(bs: int) -> None:
         """Abort the batch and prefill bs fresh requests (untimed, kept out of the phase clock)."""
-        drain(eng)
         for rid in state["ids"]:
             eng.abort(rid)
+        drain(eng)
         if bs > eng.config.max_num_seqs:
             raise ValueError(f"batch size {bs} > max_num_seqs {eng.config.max_num_seqs}")
         reqs = [eng.add_request(prompt(i), params, queue_limit=False) for i in range(bs)]
@@ -156,9 +156,9 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     def close() -> None:
         if state["bs"] is not None:
             phases[state["bs"]] = eng.clock.per_step_ms()
-        drain(eng)
         for rid in state["ids"]:
             eng.abort(rid)
+        drain(eng)
         eng.windows, eng.overlap = policy, overlap
         if eng.executor.spec.mode is not mode:
             use_mode(eng, mode)

@@ -466,9 +466,10 @@ def profile_plain(args) -> dict:
     def prepare(bs: int, k: int) -> None:
         if state["bs"] == bs and max(r.num_output for r in state["reqs"]) <= 16:
             return
-        drain(eng)
         for r in state["reqs"]:
             eng.abort(r.request_id)
+        drain(eng)                           # before the blocks go back
+        for r in state["reqs"]:
             eng.release(r.request_id)
         state["reqs"] = [eng.add_request(rng.integers(0, eng.model_config.vocab_size, args.context).tolist(), params,
                                          queue_limit=False) for _ in range(bs)]
@@ -485,9 +486,9 @@ def profile_plain(args) -> dict:
     table = profile_step_cost(run_step, args.batch_sizes, [0], repeats=args.repeats, trend_z_min=None,
                               model_name=f"{source['model_name']} (no drafter)", dtype=str(eng.dtype),
                               device=eng.device.type)
-    drain(eng)
     for r in state["reqs"]:
         eng.abort(r.request_id)
+    drain(eng)
     table.notes = {"command": "python -m nanodspark.bench " + " ".join(sys.argv[1:]), "context": args.context, "scope": "whole step, no drafter", "repeats": args.repeats,
                    "loop": "overlap" if eng.overlap else "sync",
                    **source["notes"], **finish_notes(llm, t_start)}
