@@ -19,7 +19,7 @@ the first argument, as `vllm serve MODEL` takes it, or as `--model`.
 
 Server-only flags: `--host`, `--port`, `--api-key` (or the environment variable
 `NANODSPARK_API_KEY`: Bearer auth on every /v1 route), `--served-model-name`, `--max-queue`,
-`--max-body-bytes`, `--prepare-threads`, `--log-level`, `--single-process`. They are arguments
+`--max-body-bytes`, `--prepare-threads`, `--prepare-inline-bytes`, `--log-level`, `--single-process`. They are arguments
 of `create_app`, not fields of `EngineConfig`.
 
 Parallel: `--tensor-parallel-size N [--expert-parallel-size M]`: the engine core starts N-1
@@ -51,7 +51,7 @@ from pathlib import Path
 from nanodspark.config import GROUPS, EngineConfig
 
 SERVER_FLAGS = ("model", "model_tag", "host", "port", "api_key", "max_queue", "served_model_name", "log_level",
-                "max_body_bytes", "prepare_threads", "single_process")
+                "max_body_bytes", "prepare_threads", "prepare_inline_bytes", "single_process")
 API_KEY_ENV = "NANODSPARK_API_KEY"
 # `--device` takes "cuda:N" too, so it is checked by a function, not a Literal.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description="Serve a model with nanodspark over an OpenAI-compatible API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, /metrics).")
-    from nanodspark.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPARE_THREADS
+    from nanodspark.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPARE_INLINE_BYTES, DEFAULT_PREPARE_THREADS
     srv = ap.add_argument_group("server")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="a Hugging Face checkpoint directory (as `vllm serve MODEL`; or --model); "
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prepare-threads", type=int, default=DEFAULT_PREPARE_THREADS, metavar="INT",
                      help="worker threads that parse, validate and tokenize request bodies, off the event loop "
                           f"(default: {DEFAULT_PREPARE_THREADS})")
+    srv.add_argument("--prepare-inline-bytes", type=int, default=DEFAULT_PREPARE_INLINE_BYTES, metavar="INT",
+                     help="bodies up to this size are prepared on the event loop, cheaper than a thread hop; "
+                          f"0: every body in a worker thread (default: {DEFAULT_PREPARE_INLINE_BYTES})")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="log level of the server, the engine core and uvicorn (default: info)")
     srv.add_argument("--single-process", action="store_true",
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info(line)
     name = args.served_model_name or ("nanodspark-default" if model is None else model_dir.resolve().name)
     app = create_app(engine if single else core, model_name=name, max_queue=args.max_queue,
-                     max_body_bytes=args.max_body_bytes, prepare_threads=args.prepare_threads, api_key=api_key)
+                     max_body_bytes=args.max_body_bytes, prepare_threads=args.prepare_threads, api_key=api_key,
+                     prepare_inline_bytes=args.prepare_inline_bytes)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     where = info.device if info.world == 1 else \
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = "" if not info.worker_pids else \
         "tensor-parallel workers: " + ", ".join(f"rank {i + 1} pid {p}" for i, p in enumerate(info.worker_pids)) + "\n"
     process = "" if single else f"engine core: pid {core.process.pid}\n"
+    process += f"HTTP: {http_stack()}\n"
 
     def banner():
         print(f"\nnanodspark is serving {name!r} on {where} at {url}/v1\n{process}{workers}"
@@ -290,6 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the engine stopped: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def http_stack() -> str:
+    """The event loop and HTTP parser uvicorn picks ("auto": the compiled ones when installed)."""
+    import importlib.util
+    have = lambda name: importlib.util.find_spec(name) is not None   # noqa: E731
+    stack = f"{'uvloop' if have('uvloop') else 'asyncio'} + {'httptools' if have('httptools') else 'h11'}"
+    if not (have("uvloop") and have("httptools")):
+        stack += " (pip install uvloop httptools: a faster front end)"
+    return stack
 
 
 def _interrupt(signum, frame):

@@ -9,6 +9,7 @@
 * `serve.py`: a positional model, vLLM's flag spellings as aliases, the API key from the
   environment, a busy port refused before anything loads, the start-up summary's facts.
 """
+import asyncio
 import socket
 import subprocess
 import sys
@@ -138,13 +139,48 @@ def test_version_tokenize_and_detokenize(keyed, engine):
             assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_small_bodies_are_prepared_on_the_event_loop_large_ones_in_a_worker(engine):
+    """`prepare_inline_bytes` decides where a body's work runs: a body up to it on the event
+    loop's thread (no thread hop), a larger one in a worker thread (the loop keeps serving)."""
+    import threading
+
+    from nanodspark.server.app import OpenAIServer
+
+    class Body:
+        def __init__(self, raw):
+            self.raw, self.headers = raw, {"content-length": str(len(raw))}
+
+        async def stream(self):
+            yield self.raw
+
+    server = OpenAIServer(engine, MODEL, prepare_inline_bytes=64)
+    server._refuse_if_closed = lambda: None       # its engine loop is not started here
+    where = []
+
+    def work(raw):
+        where.append(threading.current_thread() is threading.main_thread())
+        return len(raw)
+
+    async def main():
+        return [await server._prepare(Body(b"x" * n), work) for n in (10, 64, 65, 5000)]
+    try:
+        assert asyncio.run(main()) == [10, 64, 65, 5000]
+    finally:
+        server.pool.shutdown()
+    assert where == [True, True, False, False] and server.held_body_bytes == 0
+    with pytest.raises(ValueError):
+        OpenAIServer(engine, MODEL, prepare_inline_bytes=-1)
+
+
 def test_the_startup_summary_says_what_runs(engine):
     info = EngineInfo.of(engine, load_seconds=1.25)
     text = "\n".join(info.summary())
     kv = engine.scheduler.managers["full"].num_blocks
-    for want in ("dtype float32, device cpu, context 1024 tokens", "drafter: none", f"{kv} blocks of 16 tokens",
-                 f"{kv * 16:,} tokens", f"maximum concurrency for 1024-token requests: {kv * 16 / 1024:.2f}x",
-                 "CUDA graphs: none", "engine ready in 1.2"):
+    on_cpu = engine.device.type == "cpu"       # on the device: bf16 on cuda, with graphs
+    for want in (f"dtype {'float32' if on_cpu else 'bfloat16'}, device {engine.device}, context 1024 tokens",
+                 "drafter: none", f"{kv} blocks of 16 tokens", f"{kv * 16:,} tokens",
+                 f"maximum concurrency for 1024-token requests: {kv * 16 / 1024:.2f}x",
+                 "CUDA graphs: none" if on_cpu else f"CUDA graphs: {info.graphs} captured", "engine ready in 1.2"):
         assert want in text, (want, text)
 
 

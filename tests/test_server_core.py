@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -130,6 +131,150 @@ def test_api_side_abort_flushes_the_held_text(tokenizer):
         outs = items[1:]
         assert "".join(o.text_delta for o in outs) == "hello world, and more"
         assert outs[-1].finish_reason == "abort" and not aborts
+
+
+def _feed(tokenizer, batches, handles):
+    """Run `batches` through an OutputProcessor holding `handles`: {id: [items]}, aborts."""
+    aborts = []
+    p = OutputProcessor(tokenizer, Metrics(), aborts.append)
+    for h in handles:
+        p.register(h)
+    for b in batches:
+        p.on_batch(b)
+    items = {h.request_id: [] for h in handles}
+    for h in handles:
+        while not h.queue.empty():
+            items[h.request_id].append(h.queue.get_nowait())
+    return items, aborts
+
+
+def _interleaved(tokenizer):
+    """Three requests' steps interleaved as the engine emits them: 'a' streams TEXT 3 tokens a
+    step and finishes, 'b' has a stop string and gets the engine's late rows and abort, 'c' is
+    admitted late and fails with the engine."""
+    ids = tokenizer.encode(TEXT)
+    admit = StepOutputs()
+    admit.admitted += [("accepted", "a"), ("accepted", "b")]
+    a = rows("a", ids, 3, "length")
+    b = rows("b", ids[:20], 2) + rows("b", [7, 8], 2, "abort")
+    out = [admit]
+    for i in range(max(len(a), len(b))):
+        step = StepOutputs.merge([x[i] for x in (a, b) if i < len(x)])
+        if i == 2:
+            step.admitted.append(("accepted", "c"))
+        if i == 4:
+            step.failed.append(("c", 500, "server_error", "engine step failed: boom"))
+        out.append(step)
+    return out
+
+
+@pytest.mark.parametrize("group", [2, 3, 1000])
+def test_merged_step_outputs_answer_exactly_as_step_by_step(tokenizer, group):
+    """What a lagging reader hands over (several steps merged into one StepOutputs, a row per
+    request) gives every request the same text, finish, counts, aborts and errors as the steps
+    one by one; only the number of outputs on a stream shrinks."""
+    steps = _interleaved(tokenizer)
+    stop = tokenizer.decode(tokenizer.encode(TEXT)[:20])[-4:]
+    make = lambda: [Handle("a"), Handle("b", SamplingParams(stop=[stop])), Handle("c")]   # noqa: E731
+    want, want_aborts = _feed(tokenizer, steps, make())
+    merged = [StepOutputs.merge(steps[i:i + group]) for i in range(0, len(steps), group)]
+    got, got_aborts = _feed(tokenizer, merged, make())
+    assert got_aborts == want_aborts == ["b"]
+
+    def summary(items):
+        outs = [x for x in items if not isinstance(x, str)]
+        end = outs[-1]
+        text = "".join(o.text_delta for o in outs if not isinstance(o, Exception))
+        return text, (type(end).__name__, getattr(end, "finish_reason", None), getattr(end, "num_output_tokens", None))
+    for rid in "abc":
+        assert summary(got[rid]) == summary(want[rid]), rid
+    assert summary(want["a"])[1] == ("RequestOutput", "length", len(tokenizer.encode(TEXT)))
+    assert summary(want["b"])[1][:2] == ("RequestOutput", "stop") and summary(want["c"])[1][0] == "APIError"
+    if group > 2:
+        assert len(got["a"]) < len(want["a"])
+
+
+def test_bulk_histogram_exposes_what_prometheus_histogram_does():
+    """The metrics' histograms (numpy buckets, an observation n times over as one entry) give the
+    same `_bucket`, `_sum` and `_count` series as prometheus_client's own Histogram, values on
+    the bucket bounds included (`le` is inclusive)."""
+    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client.exposition import generate_latest
+
+    from nanodspark.server.metrics import ITL_BUCKETS, BulkHistogram
+    rng = np.random.default_rng(0)
+    values = list(rng.exponential(0.05, 300)) + list(ITL_BUCKETS[:5]) + [7.0, 0.0]
+    times = rng.integers(1, 5, len(values))
+    ours_r, ref_r = CollectorRegistry(), CollectorRegistry()
+    ours = BulkHistogram("x_seconds", "doc", ITL_BUCKETS, ours_r)
+    ref = Histogram("x_seconds", "doc", buckets=ITL_BUCKETS, registry=ref_r)
+    for i, (v, n) in enumerate(zip(values, times)):
+        ours.observe(float(v), int(n))
+        for _ in range(n):
+            ref.observe(float(v))
+        if i == 100:
+            generate_latest(ours_r)       # a scrape in the middle folds what was buffered
+
+    def series(reg):
+        lines = generate_latest(reg).decode().splitlines()
+        out = {}
+        for line in lines:
+            if line.startswith("x_seconds_") and "_created" not in line:
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+    a, b = series(ours_r), series(ref_r)
+    assert a.keys() == b.keys() and a["x_seconds_count"] == times.sum()
+    assert all(a[k] == pytest.approx(b[k], rel=1e-9) for k in a), (a, b)
+
+
+def test_the_relay_merges_what_queues_while_the_event_loop_is_busy():
+    """Posts from the step's thread while the event loop is busy arrive as one delivery; posts
+    while it is idle arrive one by one."""
+    import threading
+
+    from nanodspark.server.engine_loop import Relay
+    got = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        relay = Relay(got.append, loop)
+        steps = rows("r", list(range(12)), 3)
+        t = threading.Thread(target=lambda: [relay.post(b) for b in steps[:3]])
+        t.start()
+        t.join()                          # the loop was busy with this coroutine all along
+        await asyncio.sleep(0.05)
+        assert len(got) == 1 and list(got[0].token_ids) == list(range(9)) and list(got[0].num_tokens) == [9]
+        relay.post(steps[3])
+        await asyncio.sleep(0.05)
+        assert len(got) == 2 and list(got[1].token_ids) == [9, 10, 11]
+
+    asyncio.run(main())
+
+
+def test_a_lagging_stream_sends_what_queued_as_one_chunk():
+    """Outputs that queued while a stream waited go out as one SSE chunk (the text joined, the
+    finish of the last); an error after them still comes after their text."""
+    from nanodspark.request import RequestOutput
+    from nanodspark.server.app import OpenAIServer
+    from nanodspark.server.openai_api import APIError
+
+    def out(text, finished=False):
+        return RequestOutput("r", [1], text, finished, "length" if finished else None, 3, 0, {})
+
+    def chunk(text, finish_reason):
+        return {"text": text, "finish_reason": finish_reason}
+
+    async def events(items):
+        h = Handle("r")
+        for x in items:
+            h.queue.put_nowait(x)
+        return [e async for e in OpenAIServer._events(None, h, chunk, False)]
+
+    ev = asyncio.run(events([out("a"), out("b"), out("c", True)]))
+    assert ev == ['data: {"text":"abc","finish_reason":"length"}\n\n', "data: [DONE]\n\n"]
+    ev = asyncio.run(events([out("a"), out("b"), APIError(500, "boom", "server_error")]))
+    assert ev[0] == 'data: {"text":"ab","finish_reason":null}\n\n' and '"boom"' in ev[1] and ev[2] == "data: [DONE]\n\n"
 
 
 def test_the_loop_gives_the_engine_no_stop_strings_and_no_text():

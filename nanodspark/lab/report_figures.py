@@ -145,22 +145,40 @@ FIGURES = [
              "result's copy"]],
            [{"b": 1}, {"b": 64}, {"b": 256}]),
 
-    Figure("serve-http", {"http": "benchmarks/serve_http_h200.json",
-                          "same": "benchmarks/steady_state_default_overlap_table_h200.json"},
+    Figure("serve-http", {"http": "benchmarks/serve_http_h200.json", "same": "benchmarks/serve_engine_h200.json"},
            H200 + "; the default pair, closed loop, mix workload, greedy, 128 ± 25 % new tokens, prefix cache off, "
-           "admission in waves; `serve.py` spawned per system (engine core in its own process), one 4 s window after "
-           "2 s; in-process: the sweep of the thesis section, same device call, one 5 s window",
-           ["concurrency", "HTTP, no drafter", "HTTP, drafter", "HTTP: drafter / none", "in-process, no drafter",
-            "in-process, drafter", "HTTP / in-process, no drafter · drafter", "TTFT p50 ms, HTTP · in-process (drafter)"],
+           "admission in waves; `serve.py` spawned per system (engine core in its own process, uvloop + httptools), "
+           "one 6 s window after 3 s; in-process: `bench serve --frontend engine` at 64 and 256 in the same device call",
+           ["concurrency", "HTTP, no drafter", "HTTP, drafter", "HTTP: drafter / none", "in-process, drafter",
+            "HTTP / in-process (drafter)", "TTFT p50 ms, HTTP (drafter)"],
            [["{c}", "<http:sweep[mode=no-spec,concurrency={c}].total_tok_s|,.0f>",
              "<http:sweep[mode=static,concurrency={c}].total_tok_s|,.0f>",
              "<http:sweep[mode=static,concurrency={c}].total_tok_s / http:sweep[mode=no-spec,concurrency={c}].total_tok_s|.2f>",
-             "<same:sweep[mode=no-spec,concurrency={c}].total_tok_s|,.0f>",
-             "<same:sweep[mode=static,concurrency={c}].total_tok_s|,.0f>",
-             "<http:sweep[mode=no-spec,concurrency={c}].total_tok_s / same:sweep[mode=no-spec,concurrency={c}].total_tok_s|.2f>"
-             " · <http:sweep[mode=static,concurrency={c}].total_tok_s / same:sweep[mode=static,concurrency={c}].total_tok_s|.2f>",
-             "<http:sweep[mode=static,concurrency={c}].ttft_ms.p50|.0f> · <same:sweep[mode=static,concurrency={c}].ttft_ms.p50|.0f>"]],
-           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
+             "{inproc}", "{ratio}", "<http:sweep[mode=static,concurrency={c}].ttft_ms.p50|.0f>"]],
+           [{"c": 1, "inproc": "", "ratio": ""}, {"c": 16, "inproc": "", "ratio": ""}] +
+           [{"c": c, "inproc": f"<same:sweep[mode=static,concurrency={c}].total_tok_s|,.0f>",
+             "ratio": f"<http:sweep[mode=static,concurrency={c}].total_tok_s / "
+                      f"same:sweep[mode=static,concurrency={c}].total_tok_s|.2f>"} for c in (64, 256)]),
+
+    Figure("serve-front", {"before": "benchmarks/front_before_relay_h200.json", "relay": "benchmarks/front_relay_h200.json",
+                           "engA": "benchmarks/front_relay_engine_h200.json",
+                           "threads": "benchmarks/front_threads_h200.json", "inline": "benchmarks/front_inline_h200.json",
+                           "engB": "benchmarks/serve_engine_h200.json"},
+           H200 + "; the default pair with its drafter (static windows), closed loop at 64 and 256, mix workload, "
+           "greedy, one 6 s window after 3 s; each row's in-process figure from the same device call (A: rows 1–2, "
+           "uvloop + h11; B: rows 3–4, uvloop + httptools). Device calls differ in host speed, so compare rows "
+           "within a call",
+           ["API process", "call", "HTTP tok/s, 64 · 256", "÷ in-process, 64 · 256", "TTFT p50 ms, 64 · 256"],
+           [["{name}", "{call}",
+             "<{k}:sweep[concurrency=64].total_tok_s|,.0f> · <{k}:sweep[concurrency=256].total_tok_s|,.0f>",
+             "<{k}:sweep[concurrency=64].total_tok_s / {e}:sweep[mode=static,concurrency=64].total_tok_s|.2f> · "
+             "<{k}:sweep[concurrency=256].total_tok_s / {e}:sweep[mode=static,concurrency=256].total_tok_s|.2f>",
+             "<{k}:sweep[concurrency=64].ttft_ms.p50|.0f> · <{k}:sweep[concurrency=256].ttft_ms.p50|.0f>"]],
+           [{"name": "a delivery and a chunk per step, metrics per row (before)", "call": "A", "k": "before", "e": "engA"},
+            {"name": "the relay, merged chunks, metrics in bulk", "call": "A", "k": "relay", "e": "engA"},
+            {"name": "the same, every body prepared in a worker thread", "call": "B", "k": "threads", "e": "engB"},
+            {"name": "the same, small bodies prepared on the event loop (the default)", "call": "B", "k": "inline",
+             "e": "engB"}]),
 
     Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
            "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",

@@ -49,7 +49,7 @@ import threading
 import time
 import traceback
 
-from .engine_loop import EngineInfo, EngineLoop, StepOutputs, engine_params
+from .engine_loop import EngineInfo, EngineLoop, Relay, StepOutputs, engine_params
 
 log = logging.getLogger("nanodspark.server")
 
@@ -136,13 +136,8 @@ class CoreClient:
 
     def start(self, deliver, loop) -> None:
         """Read the core's outputs in a thread; `deliver(StepOutputs)` runs on the asyncio `loop`."""
-        def post(batch):
-            try:
-                loop.call_soon_threadsafe(deliver, batch)
-            except RuntimeError:      # the event loop is closed
-                pass
-        self._reader = threading.Thread(target=self._read, args=(post,), name="nanodspark-core-reader",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(Relay(deliver, loop).post,),
+                                        name="nanodspark-core-reader", daemon=True)
         self._reader.start()
 
     def _read(self, post) -> None:

@@ -14,6 +14,7 @@ never waits for text, JSON or a client.
   request's new token ids (one flat array), its speculative counters, its finish, and now and
   then the engine's state for `/metrics` (`EngineState`, at most every `STATE_INTERVAL_S` and
   whenever the engine goes idle). A finished request is released at once: the engine forgets it.
+  On the way to the event loop a `Relay` merges the steps that queued while it was busy.
 
 Where the loop runs is the caller's choice: in a thread of the server's process (`start()`,
 `serve.py --single-process`, the tests), or as the main loop of the engine-core process
@@ -85,6 +86,35 @@ class StepOutputs:
     def __bool__(self) -> bool:
         return bool(self.admitted or self.request_ids or self.failed or self.state or self.closing)
 
+    @classmethod
+    def merge(cls, batches: list["StepOutputs"]) -> "StepOutputs":
+        """Several steps' outputs as one, a row per request: its tokens in order, its latest
+        counters (they are running totals) and its finish. Used when the reader falls behind,
+        so the API side pays per request per delivery, not per request per step."""
+        if len(batches) == 1:
+            return batches[0]
+        out = cls()
+        rows: dict[str, list] = {}                 # id -> [token lists, spec, finish]; insertion order
+        for b in batches:
+            out.admitted += b.admitted
+            out.failed += b.failed
+            out.state = b.state or out.state
+            out.closing = out.closing or b.closing
+            for rid, ids, finish, spec in b.rows():
+                row = rows.setdefault(rid, [[], spec, None])
+                row[0].append(ids)
+                row[1] = spec
+                row[2] = finish or row[2]
+        for rid, (parts, spec, finish) in rows.items():
+            if finish is not None:
+                out.finished[len(out.request_ids)] = finish
+            out.request_ids.append(rid)
+            out.num_tokens.append(sum(map(len, parts)))
+            for ids in parts:
+                out.token_ids.extend(ids)
+            out.spec.extend(spec)
+        return out
+
     def rows(self):
         """(request id, new token ids, (reason, error) or None, spec counters) per row."""
         n = len(SPEC_FIELDS)
@@ -93,6 +123,37 @@ class StepOutputs:
             end = start + self.num_tokens[i]
             yield rid, self.token_ids[start:end].tolist(), self.finished.get(i), tuple(self.spec[i * n:(i + 1) * n])
             start = end
+
+
+class Relay:
+    """`StepOutputs` from a thread to the asyncio loop, merged when the loop falls behind.
+
+    At most one drain is pending on the loop: `post` (any thread) queues a batch and schedules a
+    drain only if none is pending; the drain delivers everything queued as one `StepOutputs`.
+    An event loop that keeps up gets one delivery per step; one that lags gets a few steps at
+    once, so its work per step (text, chunks, writes) shrinks as the load grows, instead of its
+    backlog (vLLM's output collector merges a lagging request's outputs for the same reason)."""
+
+    def __init__(self, deliver, loop):
+        self.deliver, self.loop = deliver, loop
+        self._lock = threading.Lock()
+        self._queued: list[StepOutputs] = []
+
+    def post(self, batch: "StepOutputs") -> None:
+        with self._lock:
+            self._queued.append(batch)
+            if len(self._queued) > 1:       # a drain is pending and will take this one too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:                # the event loop is closed: nobody is listening any more
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            batches, self._queued = self._queued, []
+        if batches:
+            self.deliver(StepOutputs.merge(batches))
 
 
 @dataclass
@@ -211,12 +272,7 @@ class EngineLoop:
     def start(self, deliver=None, loop=None) -> None:
         """Run the loop in a thread; `deliver(StepOutputs)` is called on the asyncio `loop`."""
         if deliver is not None:
-            def emit(batch):
-                try:
-                    loop.call_soon_threadsafe(deliver, batch)
-                except RuntimeError:      # the event loop is closed: nobody is listening any more
-                    pass
-            self.emit = emit
+            self.emit = Relay(deliver, loop).post
         self._thread = threading.Thread(target=self._run_thread, name="nanodspark-engine", daemon=True)
         self._thread.start()
 

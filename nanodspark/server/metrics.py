@@ -25,6 +25,10 @@ counters live while a request runs and lets one verify step be recovered exactly
 `steps` grew by one carries that step's window (`verified` grew by the window), which feeds the
 window histogram.
 
+Cheap per row: `on_tokens` adds to plain sums and lists; `flush()` (after each delivery, and
+first in every scrape) adds them to the series. The histograms are `BulkHistogram`s (numpy
+buckets; `observe(v, n)` is one entry) with prometheus_client's `_bucket`/`_sum`/`_count` series.
+
 Invariants
 ----------
 * Per-request bookkeeping (`_live`) is touched only by the event loop; an entry exists from
@@ -38,8 +42,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version", "/tokenize",
              "/detokenize")
@@ -49,6 +56,46 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 WINDOW_BUCKETS = tuple(range(0, 33))  # draft tokens verified in one step: 0, 1, ..., 32
+
+
+class BulkHistogram:
+    """A Prometheus histogram (a collector in `registry`) whose observations are buffered in
+    lists and counted into buckets by numpy when read: `observe(value, n)` is two appends."""
+
+    def __init__(self, name: str, documentation: str, buckets, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.bounds = np.asarray(buckets, dtype=float)
+        self.counts = np.zeros(len(self.bounds) + 1, dtype=np.int64)   # the last one is +Inf
+        self.sum = 0.0
+        self._values: list[float] = []
+        self._weights: list[int] = []
+        registry.register(self)
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self._values.append(value)
+        self._weights.append(n)
+        if len(self._values) >= 1 << 16:     # no scrape for a long while: bound the buffer
+            self.fold()
+
+    def fold(self) -> None:
+        if not self._values:
+            return
+        v, w = np.asarray(self._values, dtype=float), np.asarray(self._weights, dtype=np.int64)
+        self._values, self._weights = [], []
+        np.add.at(self.counts, np.searchsorted(self.bounds, v, side="left"), w)   # le: v <= bound
+        self.sum += float(v @ w)
+
+    def _family(self, cumulative) -> HistogramMetricFamily:
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        return HistogramMetricFamily(self.name, self.documentation, buckets=list(zip(les, cumulative)),
+                                     sum_value=self.sum)
+
+    def describe(self):
+        return [self._family([0] * (len(self.bounds) + 1))]
+
+    def collect(self):
+        self.fold()
+        return [self._family(np.cumsum(self.counts).tolist())]
 
 
 @dataclass
@@ -78,13 +125,12 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "Time between generated tokens of one request (per token)",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to finish of a generation request",
-                             buckets=E2E_BUCKETS, registry=r)
+        self.ttft = BulkHistogram(p + "time_to_first_token_seconds", "Arrival to first generated token",
+                                  TTFT_BUCKETS, r)
+        self.itl = BulkHistogram(p + "inter_token_latency_seconds",
+                                 "Time between generated tokens of one request (per token)", ITL_BUCKETS, r)
+        self.e2e = BulkHistogram(p + "request_latency_seconds", "Arrival to finish of a generation request",
+                                 E2E_BUCKETS, r)
         # engine state
         self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests queued in the engine", registry=r)
@@ -111,8 +157,8 @@ class Metrics:
         self.utilisation = Gauge(p + "spec_utilisation", "Delivered tokens per step / estimated ceiling",
                                  registry=r)
         self.tau = Gauge(p + "spec_tau", "Committed tokens per verify step, over all steps so far", registry=r)
-        self.window = Histogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
-                                buckets=WINDOW_BUCKETS, registry=r)
+        self.window = BulkHistogram(p + "spec_verify_window_tokens", "Draft tokens verified per verify step",
+                                    WINDOW_BUCKETS, r)
         # EPLB (eplb.py): balance of the expert load over the simulated EP ranks, last window
         self.eplb_balancedness = Gauge(p + "eplb_balancedness", "Mean over MoE layers of mean_r(load_r) / "
                                        "max_r(load_r) over the EP ranks r, in the recorder's window (1 = perfect)",
@@ -129,6 +175,8 @@ class Metrics:
         self._tau_committed = 0
         self._tau_steps = 0
         self._live: dict[str, _Track] = {}
+        self._tokens = 0                           # generated since the last flush
+        self._spec_sums = [0] * len(SPEC_KEYS)     # the spec counters' growth since the last flush
 
     # -- called by the HTTP layer ---------------------------------------------------------------
     def track_inflight(self, count) -> None:
@@ -140,7 +188,21 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
+        self.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def flush(self) -> None:
+        """Add what the rows since the last flush summed up to the Prometheus series."""
+        if self._tokens:
+            self.generation_tokens.inc(self._tokens)
+            self._tokens = 0
+        if any(self._spec_sums):
+            for k, d in zip(SPEC_KEYS, self._spec_sums):
+                if d > 0:
+                    self.spec[k].inc(d)
+            self._spec_sums = [0] * len(SPEC_KEYS)
+            if self._tau_steps:
+                self.tau.set(self._tau_committed / self._tau_steps)
 
     # -- called by the OutputProcessor (the event loop) --------------------------------------------
     def request_started(self, request_id: str, arrival: float) -> None:
@@ -153,14 +215,12 @@ class Metrics:
         if t is None:  # a request the server did not announce: account it from now on
             t = self._live[request_id] = _Track(now)
         if n:
-            self.generation_tokens.inc(n)
+            self._tokens += n
             if t.first is None:
                 t.first = now
                 self.ttft.observe(now - t.arrival)
             else:
-                gap = (now - t.last) / n
-                for _ in range(n):
-                    self.itl.observe(gap)
+                self.itl.observe((now - t.last) / n, n)
             t.last = now
         if spec:
             self._spec_delta(t, spec[:len(SPEC_KEYS)])
@@ -174,18 +234,14 @@ class Metrics:
             self.e2e.observe(now - t.arrival)
 
     def _spec_delta(self, t: _Track, spec: tuple) -> None:
-        delta = dict(zip(SPEC_KEYS, (a - b for a, b in zip(spec, t.spec))))
+        delta = [a - b for a, b in zip(spec, t.spec)]
         t.spec = spec
-        for k, d in delta.items():
-            if d > 0:
-                self.spec[k].inc(d)
-        steps = delta["steps"]
+        self._spec_sums = [s + max(d, 0) for s, d in zip(self._spec_sums, delta)]
+        steps, verified, committed = delta[0], delta[2], delta[4]
         if steps > 0:  # normally one step per row; spread evenly if several were merged
-            for _ in range(steps):
-                self.window.observe(delta["verified"] / steps)
+            self.window.observe(verified / steps, steps)
             self._tau_steps += steps
-            self._tau_committed += delta["committed"]
-            self.tau.set(self._tau_committed / self._tau_steps)
+            self._tau_committed += committed
 
     def forget(self, request_id: str) -> None:
         """Drop a request that never produced a finished output (refused or failed)."""

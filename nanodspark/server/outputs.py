@@ -16,6 +16,9 @@ off the step's thread:
   a step or two late, as the overlapped loop learns of an EOS.
 * **Answers.** Each handle's `asyncio.Queue` gets `ACCEPTED` or an `APIError`, then outputs that
   carry text (a non-streaming request: one, at the end), then exactly one finish or error.
+* **Merged rows.** A row may carry several steps of a request (the `Relay` merges what queued
+  while the event loop was busy): its tokens are decoded before its finish is read, so an
+  abort or error merged with earlier tokens loses no text and still sees a stop string first.
 * **Metrics** (`Metrics`): tokens, latencies and speculative counters as the outputs arrive;
   the engine's gauges from each `EngineState`. Histograms are updated here, never on the step.
 
@@ -127,6 +130,7 @@ class OutputProcessor:
                                           s.resident_bytes)
         if b.closing is not None:
             self.close(APIError(*b.closing))
+        self.metrics.flush()             # once per delivery, not per row
 
     def close(self, err: APIError) -> None:
         """The engine side is gone: every request still open gets `err`, and so do new ones."""
@@ -141,6 +145,12 @@ class OutputProcessor:
     # -- one request's row ---------------------------------------------------------------------
     def _on_tokens(self, h: Handle, new_ids: list[int], finish, spec: tuple, now: float) -> None:
         reason, error = finish if finish is not None else (None, None)
+        if reason in ("abort", "error") and new_ids:   # a merged row: its tokens' text first, then its end
+            self._on_tokens(h, new_ids, None, spec, now)
+            if h.ended:                               # they completed a stop string: that is its end
+                self.handles.pop(h.request_id, None)
+                return None
+            new_ids = []
         h.output_ids += new_ids
         h.spec = spec
         if reason in ("abort", "error"):

@@ -21,12 +21,15 @@
 #   waves    the sweep with admission in waves (the default) beside admitting at once, then the
 #            step-cost profiles of random-weight Qwen3-8B (TABLE=a default-pair cost table)
 #   repeat   no-spec / static / compact / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
+#   front    serve.py over HTTP at 64 / 256: before the relay (when .carry/old is carried), today's with
+#            every body prepared in a worker thread, today's default; then today's at 1 / 16 / 64 / 256
+#            with and without the drafter, beside the engine in-process on the same work
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|busy|overlap|thesis|waves|repeat|last}
-case $stage in step|serve|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|front|busy|overlap|thesis|waves|repeat|last}
+case $stage in step|serve|front|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, front, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -69,6 +72,26 @@ serve)
     --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
   echo "serve engine rc=$?"
   tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
+front)
+  # serve.py over HTTP at 64 / 256: before the relay (.carry/old, when carried), today's with every
+  # body prepared in a worker thread (--prepare-inline-bytes 0), and today's default
+  flags="--port {port} --log-level warning --max-num-seqs 256 --kv-cache-memory-gb 4 --no-enable-prefix-cache {flags}"
+  for side in old threads new; do
+    dir=$([ $side = old ] && echo .carry/old || echo .)
+    [ -d "$dir/nanodspark" ] || continue
+    x=$([ $side = threads ] && echo "--prepare-inline-bytes 0")
+    timeout 110 $new serve --frontend http --systems static --concurrency 64 256 --warmup-s 3 --duration 6 \
+      --serve-cmd "env PYTHONPATH=$dir:/tmp/site python3 $dir/serve.py $flags $x" \
+      --out "$R/http_$side.json" > "$R/http_$side.txt" 2>&1
+    echo "http $side rc=$?"
+  done
+  timeout 200 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 16 64 256 --warmup-s 3 \
+    --duration 6 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
+  echo "serve http rc=$?"
+  timeout 110 $new serve --frontend engine --systems no-spec static --concurrency 64 256 --warmup-s 3 \
+    --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
+  echo "serve engine rc=$?"
+  for f in "$R"/http_*.txt; do tail -n 3 "$f" | head -n 2; done; tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
 busy)
   timeout 60 $new host --batches 1 64 256 --steps 12 --repeats 3 --out "$R/host.json" > "$R/host.txt" 2>&1
   echo "host rc=$?"
