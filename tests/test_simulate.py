@@ -219,6 +219,31 @@ def test_calibrate_recovers_the_overheads_of_a_run_priced_by_the_table(pair, mea
     assert set(plain) == {"plain"} and plain["plain"]["host_s"] == pytest.approx(0.002, rel=1e-6)
 
 
+def test_calibrate_by_run_recovers_overheads_that_the_overlapped_loop_moves_between_steps():
+    """In the overlapped loop a prefill's GPU time is waited for in the decode steps after it:
+    the decode-only steps carry it and the prefill steps look free. Fitted per whole run, the
+    three terms come back exactly; fitted per kind of step, they do not (the host term takes
+    what was the prefill's), and an unknown `by` is refused."""
+    table = CostTable({(b, k): 1e-3 + 1e-6 * b for b in (1, 16, 64, 256) for k in (0, 4 * b)})
+    host, pre, tok = 2e-4, 8e-3, 2e-6
+    runs = []
+    for d, m, p, R in ((900, 40, 6000, 16), (2000, 150, 30000, 64), (1200, 90, 9000, 256), (500, 10, 2500, 1)):
+        prefill_time = m * pre + p * tok
+        t = table.predict(R, 4 * R) + host
+        acc = {"steps": d + m, "client_s": 0.0, "decode_rk": [[R, 4 * R, d, 0], [R, 4 * R, m, 1]],
+               "decode_only_steps": d, "decode_only_s": d * t + prefill_time, "decode_only_prefill_rows": 0,
+               "prefill_only_steps": 0, "prefill_only_s": 0.0, "prefill_only_prefill_rows": 0,
+               "mixed_steps": m, "mixed_s": m * t, "mixed_prefill_rows": p}
+        runs.append({"mode": "static", "accounting": acc})
+    cost = StepCost(table)
+    fit = calibrate({"runs": runs}, cost, by="run")["spec"]
+    assert [fit[k] for k in ("host_s", "prefill_s", "prefill_token_s")] == pytest.approx([host, pre, tok], rel=1e-6)
+    kind = calibrate({"runs": runs}, cost, by="kind")["spec"]
+    assert kind["host_s"] > 2 * host and kind["prefill_s"] < pre / 2
+    with pytest.raises(ValueError):
+        calibrate({"runs": runs}, cost, by="step")
+
+
 def test_trace_picker_replays_the_recorded_request_of_the_same_prompt():
     t = Traces(2, [RequestTrace(f"r{i}", np.zeros((n, 2), np.float32), np.zeros(n, np.int64))
                    for i, n in ((0, 3), (1, 2), (4, 9), (5, 1))])

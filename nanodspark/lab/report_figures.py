@@ -49,13 +49,18 @@ def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64
                   [{"b": b, "k": gamma * b} for b in batches])
 
 
-def _simulator_check(name: str, pair: str, hardware: str) -> Figure:
-    """`bench simulate --compare` at each concurrency: measured against predicted total tok/s."""
-    return Figure(name, {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in (1, 16, 64, 256)},
-                  hardware, ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"],
-                  [["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>",
-                    "<c{c}:compare[mode={m}].predicted_total|,.0f>",
-                    "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]],
+def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False) -> Figure:
+    """`bench simulate --compare` at each concurrency: measured against predicted total tok/s
+    (`held_out`: also predicted with the overheads fitted on the other concurrencies only)."""
+    files = {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in (1, 16, 64, 256)}
+    head = ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"]
+    row = ["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>", "<c{c}:compare[mode={m}].predicted_total|,.0f>",
+           "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]
+    if held_out:
+        files.update({f"h{c}": f"benchmarks/simulator_loo_{pair}_c{c}.json" for c in (1, 16, 64, 256)})
+        head += ["error, fitted without this concurrency"]
+        row += ["<h{c}:compare[mode={m}].total_error * 100|+.1f> %"]
+    return Figure(name, files, hardware, head, [row],
                   [{"c": c, "m": m} for c in (1, 16, 64, 256) for m in ("no-spec", "static", "compact")])
 
 
@@ -256,7 +261,9 @@ FIGURES = [
     _simulator_check("simulator-check", "default",
                      "`bench simulate` on a CPU, from the default pair's H200 profiles timed in the overlapped loop, "
                      "the static traces of the sweep above at each concurrency (at 256: 5 MB, not committed) and the "
-                     "overheads fitted to that sweep (`--calibrate-from`); measured: that sweep"),
+                     "overheads fitted to that sweep per whole run (`--calibrate-from`, `--calibrate-by run`); "
+                     "the last column fits them on the other three concurrencies only (`--calibrate-concurrency`); "
+                     "measured: that sweep", held_out=True),
 
     _simulator_check("simulator-check-smollm2", "smollm2",
                      "`bench simulate` on a CPU, from the SmolLM2 pair's H200 profile (no plain profile: no "

@@ -272,13 +272,18 @@ def scale_traces(traces: Traces, target_tau: float, gamma: int | None = None, se
 
 
 # ----------------------------------------------------------------------------- overheads from a measured run
-def calibrate(serve_result: dict, cost: StepCost) -> dict:
+def calibrate(serve_result: dict, cost: StepCost, by: str = "kind") -> dict:
     """host_s, prefill_s and prefill_token_s that make the table explain measured `bench serve`
-    runs (engine front end). Per run, two equations, one per kind of step: the seconds of its
-    decode-only steps = Σ T(R, K) + host_s * steps, and of its steps with prefill = Σ T(R, K) +
-    (host_s + prefill_s) * steps + prefill_token_s * prefill rows, each with its share of the
-    client's time between steps. Least squares over every run, no term negative; fitted apart for
-    speculative systems and no speculation (their host work differs)."""
+    runs (engine front end). `by="kind"`: per run, two equations, one per kind of step: the
+    seconds of its decode-only steps = Σ T(R, K) + host_s * steps, and of its steps with prefill
+    = Σ T(R, K) + (host_s + prefill_s) * steps + prefill_token_s * prefill rows. `by="run"`: one
+    equation per run, all its steps together; right for the overlapped loop, where a prefill's
+    GPU time is waited for in the decode steps after it, not in its own. Each with its share of
+    the client's time between steps; least squares over every run, no term negative; fitted apart
+    for speculative systems and no speculation (their host work differs)."""
+    if by not in ("kind", "run"):
+        raise ValueError(f"by must be 'kind' or 'run', not {by!r}")
+    groups = ((0,), (1,)) if by == "kind" else ((0, 1),)
     fits = {}
     for spec in (True, False):
         A, y = [], []
@@ -287,13 +292,14 @@ def calibrate(serve_result: dict, cost: StepCost) -> dict:
             if (r["mode"] != "no-spec") != spec or "decode_rk" not in acc or not acc["steps"]:
                 continue
             client_per_step = acc["client_s"] / acc["steps"]
-            for with_prefill in (0, 1):
-                kinds = ("prefill_only", "mixed") if with_prefill else ("decode_only",)
+            for group in groups:
+                kinds = [k for p in group for k in (("prefill_only", "mixed") if p else ("decode_only",))]
                 n = sum(acc[f"{k}_steps"] for k in kinds)
                 if not n:
                     continue
-                table_s = sum(c * cost.decode_seconds(R, K, spec) for R, K, c, p in acc["decode_rk"] if p == with_prefill)
-                A.append([n, n * with_prefill, sum(acc[f"{k}_prefill_rows"] for k in kinds)])
+                table_s = sum(c * cost.decode_seconds(R, K, spec) for R, K, c, p in acc["decode_rk"] if p in group)
+                n_prefill = sum(acc[f"{k}_steps"] for k in ("prefill_only", "mixed") if k in kinds)
+                A.append([n, n_prefill, sum(acc[f"{k}_prefill_rows"] for k in kinds)])
                 y.append(sum(acc[f"{k}_s"] for k in kinds) + client_per_step * n - table_s)
         if A:
             fits["spec" if spec else "plain"] = dict(zip(("host_s", "prefill_s", "prefill_token_s"),
@@ -359,7 +365,10 @@ def simulate(args) -> dict:
     base = dict(host_s=1e-3 * args.host_ms, prefill_s=1e-3 * args.prefill_ms, prefill_token_s=1e-6 * args.prefill_token_us)
     fits = {}
     if args.calibrate_from:
-        fits = calibrate(json.loads(Path(args.calibrate_from).read_text()), StepCost(table, plain))
+        measured = json.loads(Path(args.calibrate_from).read_text())
+        if args.calibrate_concurrency:       # fit on these runs only (hold the predicted ones out)
+            measured["runs"] = [r for r in measured["runs"] if r["concurrency"] in args.calibrate_concurrency]
+        fits = calibrate(measured, StepCost(table, plain), by=args.calibrate_by)
     costs = {s: StepCost(table, plain, **fits.get("plain" if s == "no-spec" else "spec", base)) for s in args.systems}
     tok = Tokenizer(resolve_model_dir(args.model))
     work = make_workload(tok, args.workload, args.prompts, args.prompt_tokens, args.output_len, args.output_spread,
@@ -376,7 +385,8 @@ def simulate(args) -> dict:
                          "traces": args.traces, "traces_tau": traces.tau() if traces else None,
                          "censored_steps": traces.censored() if traces else 0, "traces_meta": traces.meta if traces else {}},
               "step_cost": {s: {k: v for k, v in vars(c).items() if k not in ("table", "plain")} for s, c in costs.items()},
-              "calibrated_from": args.calibrate_from, "runs": rows, "sweep": median_rows(rows)}
+              "calibrated_from": args.calibrate_from, "calibrated_by": args.calibrate_by if args.calibrate_from else None,
+              "calibrated_on": args.calibrate_concurrency, "runs": rows, "sweep": median_rows(rows)}
     result["paired"] = paired_ratios(rows)
     if args.compare:
         result["compare"] = compare(result["sweep"], json.loads(Path(args.compare).read_text()))
@@ -415,6 +425,11 @@ def add_simulate_args(p) -> None:
     p.add_argument("--prefill-token-us", type=float, default=0.0, help="microseconds per prefill row")
     p.add_argument("--calibrate-from", default=None,
                    help="fit the three terms above from a `bench serve` JSON (engine front end)")
+    p.add_argument("--calibrate-by", default="kind", choices=("kind", "run"),
+                   help="fit per kind of step (decode-only, with prefill) or per whole run (the overlapped "
+                        "loop, where a prefill's GPU time lands in the steps after it)")
+    p.add_argument("--calibrate-concurrency", type=int, nargs="+", default=None,
+                   help="fit on the runs of these concurrencies only (default: all), to predict the others")
     p.add_argument("--compare", default=None, help="a `bench serve` JSON to print the prediction against")
     p.add_argument("--model", default=None, help="whose tokenizer measures the prompts (as bench serve did)")
     p.add_argument("--workload", default="mix", choices=WORKLOADS, help="prompt set the requests are drawn from")
