@@ -42,8 +42,10 @@ FIGURES = [
     FigureSpec("benchmarks/drafter/reliability", "reliability", "benchmarks/drafter/train_heads_report.json"),
     FigureSpec("benchmarks/kv_blocks_cpu", "kv-blocks", None),
     FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_overlap_table_h200.json",
-               ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"),
-               ("default pair", "SmolLM2-135M pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17"),
+               ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json",
+                "benchmarks/prediction_qwen3_30b_a3b_tau3.21_h200.json"),
+               ("default pair", "SmolLM2-135M pair", "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17",
+                "Qwen3-30B-A3B shape, tau 3.21"),
                ("benchmarks/steady_state_smollm2_h200.json",)),
 ]
 RECORDS = "benchmarks/drafter/calibration_records.safetensors"

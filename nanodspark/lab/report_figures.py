@@ -37,16 +37,19 @@ _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requ
            "cpu_2000_seed1": "CPU, 2,000 requests at 64, a second call (`--seed 1`)",
            "h200": "H200, 2,000 requests at 64"}
 
-def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64, 128, 256)) -> Figure:
+def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64, 128, 256),
+             trend: bool = True) -> Figure:
     """A step-cost profile: per batch size, the raw step at K = 0 and with full blocks, their
-    ratio, the trend gate's z and what the table (monotone, gated) keeps for full blocks."""
-    return Figure(name, {"t": path}, hardware,
-                  ["batch", "ms per step, K = 0", f"ms, full blocks (K = {gamma} × batch)", "full / K = 0",
-                   "trend z", "in the table, full blocks"],
-                  [["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
-                    "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
-                    "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]],
-                  [{"b": b, "k": gamma * b} for b in batches])
+    ratio, the trend gate's z (`trend`: a profile of one round has none) and what the table
+    (monotone, gated) keeps for full blocks."""
+    head = ["batch", "ms per step, K = 0", f"ms, full blocks (K = {gamma} × batch)", "full / K = 0",
+            "trend z", "in the table, full blocks"]
+    row = ["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
+           "<*.raw[0={b},1={k}].2 / *.raw[0={b},1=0].2|.2f>", "<*.notes.trend_z.{b}|.2f>",
+           "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]
+    if not trend:
+        del head[4], row[4]
+    return Figure(name, {"t": path}, hardware, head, [row], [{"b": b, "k": gamma * b} for b in batches])
 
 
 def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False) -> Figure:
@@ -258,6 +261,11 @@ FIGURES = [
              H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
                     "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
 
+    _profile("cost-profile-30b", "benchmarks/cost_table_qwen3_30b_a3b_random_h200.json", 7,
+             H200 + "; Qwen3-30B-A3B shape (48 layers, 128 experts, top-8) with random weights and a 5-layer "
+                    "drafter of block 7, whole steps with CUDA graphs timed in the overlapped loop, context 256, "
+                    "mix prompts, 1 round", batches=(1, 16, 64, 256), trend=False),
+
     _simulator_check("simulator-check", "default",
                      "`bench simulate` on a CPU, from the default pair's H200 profiles timed in the overlapped loop, "
                      "the static traces of the sweep above at each concurrency (at 256: 5 MB, not committed) and the "
@@ -287,6 +295,20 @@ FIGURES = [
            "A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of the Qwen3-8B shape "
            "(random weights), acceptance traces of the default pair scaled to τ 3.21 and 6.17 at block 7, "
            "prefill priced at 5 ms + 30 µs per token (assumed, not measured), admission in waves",
+           ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
+            "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
+           [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"
+                       for a, m, d in (("lo", "static", "no-spec"), ("lo", "compact", "no-spec"),
+                                       ("lo", "compact", "static"), ("hi", "static", "no-spec"),
+                                       ("hi", "compact", "static"))]],
+           [{"c": c} for c in (1, 16, 64, 128, 256)]),
+
+    Figure("prediction-30b", {"lo": "benchmarks/prediction_qwen3_30b_a3b_tau3.21_h200.json",
+                              "hi": "benchmarks/prediction_qwen3_30b_a3b_tau6.17_h200.json"},
+           "A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of the Qwen3-30B-A3B shape "
+           "(random weights, timed in the overlapped loop), acceptance traces of the default pair scaled to τ 3.21 "
+           "and 6.17 at block 7 (the Qwen3-8B figures of the paper: none are given for this target), prefill "
+           "priced at 5 ms + 30 µs per token (assumed, not measured), admission in waves",
            ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
             "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
            [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"

@@ -62,7 +62,7 @@ def speedup_plot(measured: list[dict], predicted: list[dict], path: str, labels:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5.2))
     names = labels or []
-    commands, styles = [], ["o", "s", "^", "D", "v"]
+    commands, styles = [], ["o", "s", "^", "D", "v", "P"]
     drawn = 0
     for n, (res, pred) in enumerate([(r, False) for r in measured] + [(r, True) for r in predicted]):
         name = names[n] if n < len(names) else res.get("label_short") or Path(res.get("_path", f"run {n}")).stem
