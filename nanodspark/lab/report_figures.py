@@ -52,6 +52,22 @@ def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64
     return Figure(name, {"t": path}, hardware, head, [row], [{"b": b, "k": gamma * b} for b in batches])
 
 
+def _prediction(name: str, key: str, shape: str) -> Figure:
+    """`bench simulate` at τ 3.21 and 6.17 on a shape's H200 tables: speedups by concurrency."""
+    return Figure(name, {"lo": f"benchmarks/prediction_{key}_tau3.21_h200.json",
+                         "hi": f"benchmarks/prediction_{key}_tau6.17_h200.json"},
+                  f"A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of {shape}, acceptance "
+                  "traces of the default pair scaled to τ 3.21 and 6.17 at block 7, prefill priced at 5 ms + 30 µs "
+                  "per token (assumed, not measured), admission in waves",
+                  ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
+                   "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
+                  [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"
+                              for a, m, d in (("lo", "static", "no-spec"), ("lo", "compact", "no-spec"),
+                                              ("lo", "compact", "static"), ("hi", "static", "no-spec"),
+                                              ("hi", "compact", "static"))]],
+                  [{"c": c} for c in (1, 16, 64, 128, 256)])
+
+
 def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False) -> Figure:
     """`bench simulate --compare` at each concurrency: measured against predicted total tok/s
     (`held_out`: also predicted with the overheads fitted on the other concurrencies only)."""
@@ -290,32 +306,10 @@ FIGURES = [
            [{"i": 0, "mode": "cap-accept", "prompt": "story"}, {"i": 1, "mode": "compact", "prompt": "story"},
             {"i": 2, "mode": "target only", "prompt": "story"}, {"i": 3, "mode": "cap-accept", "prompt": "code"}]),
 
-    Figure("prediction-8b", {"lo": "benchmarks/prediction_qwen3_8b_tau3.21_h200.json",
-                             "hi": "benchmarks/prediction_qwen3_8b_tau6.17_h200.json"},
-           "A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of the Qwen3-8B shape "
-           "(random weights), acceptance traces of the default pair scaled to τ 3.21 and 6.17 at block 7, "
-           "prefill priced at 5 ms + 30 µs per token (assumed, not measured), admission in waves",
-           ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
-            "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
-           [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"
-                       for a, m, d in (("lo", "static", "no-spec"), ("lo", "compact", "no-spec"),
-                                       ("lo", "compact", "static"), ("hi", "static", "no-spec"),
-                                       ("hi", "compact", "static"))]],
-           [{"c": c} for c in (1, 16, 64, 128, 256)]),
-
-    Figure("prediction-30b", {"lo": "benchmarks/prediction_qwen3_30b_a3b_tau3.21_h200.json",
-                              "hi": "benchmarks/prediction_qwen3_30b_a3b_tau6.17_h200.json"},
-           "A PREDICTION (`bench simulate`, on a CPU) from the H200 step-cost tables of the Qwen3-30B-A3B shape "
-           "(random weights, timed in the overlapped loop), acceptance traces of the default pair scaled to τ 3.21 "
-           "and 6.17 at block 7 (the Qwen3-8B figures of the paper: none are given for this target), prefill "
-           "priced at 5 ms + 30 µs per token (assumed, not measured), admission in waves",
-           ["concurrency", "τ 3.21: static / no-spec", "τ 3.21: compact / no-spec", "τ 3.21: compact / static",
-            "τ 6.17: static / no-spec", "τ 6.17: compact / static"],
-           [["{c}"] + [f"<{a}:{_G.replace('{m}', m)} / {a}:{_G.replace('{m}', d)}|.2f>"
-                       for a, m, d in (("lo", "static", "no-spec"), ("lo", "compact", "no-spec"),
-                                       ("lo", "compact", "static"), ("hi", "static", "no-spec"),
-                                       ("hi", "compact", "static"))]],
-           [{"c": c} for c in (1, 16, 64, 128, 256)]),
+    _prediction("prediction-8b", "qwen3_8b", "the Qwen3-8B shape (random weights)"),
+    _prediction("prediction-30b", "qwen3_30b_a3b",
+                "the Qwen3-30B-A3B shape (random weights, timed in the overlapped loop; the τ are the paper's "
+                "Qwen3-8B figures: none are given for this target)"),
 
     Figure("graphs-profile", {"t": "benchmarks/cost_table_graphs_h200.json"},
            H200 + "; the default pair, whole steps with CUDA graphs and the overlapped loop, context 256, 2 repeats",
