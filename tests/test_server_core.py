@@ -424,9 +424,16 @@ def test_core_server_metrics_add_up(core_server):
     after = wait_idle(core_server.base)
     delta = {k: metric(after, k) - metric(before, k) for k in (
         "nanodspark_generation_tokens_total", "nanodspark_time_to_first_token_seconds_count",
-        "nanodspark_request_latency_seconds_count")}
+        "nanodspark_request_latency_seconds_count", "nanodspark_request_prepare_seconds_count",
+        "nanodspark_request_admission_seconds_count")}
     assert delta == {"nanodspark_generation_tokens_total": total, "nanodspark_time_to_first_token_seconds_count": 30,
-                     "nanodspark_request_latency_seconds_count": 30}
+                     "nanodspark_request_latency_seconds_count": 30, "nanodspark_request_prepare_seconds_count": 30,
+                     "nanodspark_request_admission_seconds_count": 30}
+    # the parts of TTFT the bench reads: the acceptance comes no later than the first token
+    from nanodspark.lab.bench_serve import server_latency_sums
+    sums = server_latency_sums(core_server.base)
+    assert set(sums) == {"prepare", "admission", "first_token_after_submit"}
+    assert 0 < sums["prepare"][0] and sums["admission"][0] <= sums["first_token_after_submit"][0] + 1e-6
     assert metric(after, "nanodspark_engine_core_resident_memory_bytes") > 50 * 2**20
     assert metric(after, "nanodspark_requests_in_flight") == 0 and httpx.get(core_server.base + "/health").json() == {
         "status": "ok"}

@@ -22,6 +22,9 @@ Definitions (vLLM's names)
     total tok/s     = output tokens delivered inside the window / its length (every request's,
               warm-up and tail ones included: what the machine produced in that time).
     Per-request figures are over the measured requests: those sent inside the window.
+    server_ms (HTTP)  the server's own split of TTFT, means over the window from its /metrics:
+              prepare (handler start to submission), admission (submission to the engine's
+              acceptance), first_token_after_submit; the rest of TTFT is HTTP and queueing.
 
 Invariants
     * Request i is the same everywhere (prompt i mod P of the workload, its own seeded output
@@ -377,9 +380,14 @@ async def http_closed_loop(url: str, work: ServeWorkload, concurrency: int, warm
         finally:
             conn.close()
 
+    scrapes = []
+
     async def watch() -> None:
         while not done.is_set():
-            check(clock())
+            now = clock()
+            if not scrapes and now >= t0:     # the server's latency sums as the window opens
+                scrapes.append(await asyncio.to_thread(server_latency_sums, url))
+            check(now)
             await asyncio.sleep(0.02)
 
     cpu0 = time.process_time()
@@ -390,7 +398,34 @@ async def http_closed_loop(url: str, work: ServeWorkload, concurrency: int, warm
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     t1 = st["t1"]
-    return Run(records, t0, t1, {"client_cpu_share": round(cpu / max(t1 - start, 1e-9), 3)})
+    extra = {"client_cpu_share": round(cpu / max(t1 - start, 1e-9), 3)}
+    if scrapes and scrapes[0] is not None and (end := server_latency_sums(url)) is not None:
+        extra["server_ms"] = {k: round(1e3 * (end[k][0] - scrapes[0][k][0]) / (end[k][1] - scrapes[0][k][1]), 3)
+                              for k in end if k in scrapes[0] and end[k][1] > scrapes[0][k][1]}
+    return Run(records, t0, t1, extra)
+
+
+SERVER_LATENCIES = {"prepare": "nanodspark_request_prepare_seconds",
+                    "admission": "nanodspark_request_admission_seconds",
+                    "first_token_after_submit": "nanodspark_time_to_first_token_seconds"}
+
+
+def server_latency_sums(url: str) -> dict | None:
+    """(sum, count) of the server's latency histograms from its /metrics, or None if it has none:
+    their difference over the window gives the mean of each part of the server's TTFT."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_sum", "_count")):
+            values[name] = float(value)
+    out = {k: (values[m + "_sum"], values[m + "_count"]) for k, m in SERVER_LATENCIES.items()
+           if m + "_sum" in values and m + "_count" in values}
+    return out or None
 
 
 async def _one(conn: _Connection, body: bytes, rec: RequestRecord, clock) -> None:
@@ -663,6 +698,9 @@ def serve_bench(args) -> dict:
                 print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
                       f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
                       f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
+                if row.get("server_ms"):
+                    print(" " * 18 + "server, mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in row["server_ms"].items()),
+                          flush=True)
                 if args.out:                       # keep what is measured if the call is cut short
                     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.out).write_text(json.dumps(result, indent=1, default=str))

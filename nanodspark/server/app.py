@@ -323,7 +323,7 @@ class OpenAIServer:
         ids = self._tokenize(text, "messages")
         return self._finish(ids, checked, "messages", self.max_request_tokens)
 
-    async def _submit(self, prep: _Prepared, prefix: str) -> Handle:
+    async def _submit(self, prep: _Prepared, prefix: str, received: float | None = None) -> Handle:
         self._refuse_if_closed()
         if self.inflight >= self.max_queue:
             raise APIError(429, f"server busy: {self.inflight} requests in flight (max {self.max_queue})",
@@ -331,7 +331,7 @@ class OpenAIServer:
         # What the engine may still refuse after our checks (a request the KV cache can never
         # hold) is about the output limit: its 400 names that field.
         h = Handle(f"{prefix}-{uuid.uuid4().hex}", prep.params, len(prep.ids), prep.stream,
-                   refusal_param=prep.limit_param)
+                   refusal_param=prep.limit_param, received=received)
         self.inflight += 1
         try:
             self.outputs.register(h)
@@ -419,8 +419,9 @@ class OpenAIServer:
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: Request):
+        received = time.monotonic()
         prep = await self._prepare(request, self._prepare_completion)
-        h = await self._submit(prep, "cmpl")
+        h = await self._submit(prep, "cmpl", received)
         base = {"id": h.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
 
         def chunk(text, finish_reason):
@@ -432,8 +433,9 @@ class OpenAIServer:
         return {**chunk(text, out.finish_reason), "usage": usage_of(out)}
 
     async def chat_completions(self, request: Request):
+        received = time.monotonic()
         prep = await self._prepare(request, self._prepare_chat)
-        h = await self._submit(prep, "chatcmpl")
+        h = await self._submit(prep, "chatcmpl", received)
         base = {"id": h.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
 

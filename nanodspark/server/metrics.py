@@ -131,6 +131,11 @@ class Metrics:
                                  "Time between generated tokens of one request (per token)", ITL_BUCKETS, r)
         self.e2e = BulkHistogram(p + "request_latency_seconds", "Arrival to finish of a generation request",
                                  E2E_BUCKETS, r)
+        # where a request's time to first token goes before the engine sees it (arrival = submission)
+        self.prepare = BulkHistogram(p + "request_prepare_seconds", "Handler start to submission: read, parse, "
+                                     "check and tokenize the body", TTFT_BUCKETS, r)
+        self.admission = BulkHistogram(p + "request_admission_seconds", "Submission to the engine's acceptance: "
+                                       "the pipe, the engine loop's inbox, the step in flight", TTFT_BUCKETS, r)
         # engine state
         self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests queued in the engine", registry=r)
@@ -205,8 +210,13 @@ class Metrics:
                 self.tau.set(self._tau_committed / self._tau_steps)
 
     # -- called by the OutputProcessor (the event loop) --------------------------------------------
-    def request_started(self, request_id: str, arrival: float) -> None:
+    def request_started(self, request_id: str, arrival: float, received: float | None = None,
+                        now: float | None = None) -> None:
+        """The engine accepted a request submitted at `arrival` (its handler began at `received`)."""
         self._live[request_id] = _Track(arrival)
+        if received is not None:
+            self.prepare.observe(arrival - received)
+            self.admission.observe((time.monotonic() if now is None else now) - arrival)
 
     def on_tokens(self, request_id: str, n: int, spec: tuple = (), now: float | None = None) -> None:
         """Account `n` new tokens of a request (latency) and its speculative counters so far."""

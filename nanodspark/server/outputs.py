@@ -53,7 +53,8 @@ class Handle:
     stream: bool = True           # text as it comes (SSE); False: the whole text with the final output
     refusal_param: str | None = None  # the field a 400 from add_request names (the handler's checks came first)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.monotonic)   # submitted to the engine
+    received: float | None = None     # its handler began (the body not yet read)
     finished: bool = False        # its finished output (or an error) was consumed by the handler
     closed: bool = False          # its handler is done with it
     ended: bool = False           # this side has answered its end (the engine may still be running it)
@@ -103,7 +104,7 @@ class OutputProcessor:
             if h is None:
                 continue
             if ev[0] == "accepted":
-                self.metrics.request_started(h.request_id, h.arrival)
+                self.metrics.request_started(h.request_id, h.arrival, h.received)
                 self._put(h, ACCEPTED)
             else:
                 _, rid, status, kind, message = ev
