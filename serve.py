@@ -19,8 +19,8 @@ the first argument, as `vllm serve MODEL` takes it, or as `--model`.
 
 Server-only flags: `--host`, `--port`, `--api-key` (or the environment variable
 `NANODSPARK_API_KEY`: Bearer auth on every /v1 route), `--served-model-name`, `--max-queue`,
-`--max-body-bytes`, `--prepare-threads`, `--prepare-inline-bytes`, `--log-level`, `--single-process`. They are arguments
-of `create_app`, not fields of `EngineConfig`.
+`--max-body-bytes`, `--prepare-threads`, `--prepare-inline-bytes`, `--log-level`,
+`--single-process`. They are arguments of `create_app`, not fields of `EngineConfig`.
 
 Parallel: `--tensor-parallel-size N [--expert-parallel-size M]`: the engine core starts N-1
 worker processes itself (distributed.py); under `torchrun --nproc-per-node N serve.py ...` the

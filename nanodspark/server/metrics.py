@@ -210,13 +210,12 @@ class Metrics:
                 self.tau.set(self._tau_committed / self._tau_steps)
 
     # -- called by the OutputProcessor (the event loop) --------------------------------------------
-    def request_started(self, request_id: str, arrival: float, received: float | None = None,
-                        now: float | None = None) -> None:
-        """The engine accepted a request submitted at `arrival` (its handler began at `received`)."""
+    def request_started(self, request_id: str, arrival: float, received: float | None = None) -> None:
+        """The engine accepted, now, a request submitted at `arrival` (its handler began at `received`)."""
         self._live[request_id] = _Track(arrival)
         if received is not None:
             self.prepare.observe(arrival - received)
-            self.admission.observe((time.monotonic() if now is None else now) - arrival)
+            self.admission.observe(time.monotonic() - arrival)
 
     def on_tokens(self, request_id: str, n: int, spec: tuple = (), now: float | None = None) -> None:
         """Account `n` new tokens of a request (latency) and its speculative counters so far."""

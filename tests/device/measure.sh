@@ -11,6 +11,8 @@
 #            engine without the drafter at 64 and 256; then bench engine with the drafter, bench
 #            host with text streamed in the engine (before: what serve.py ran), a timeline at 256
 #   serve    serve.py over HTTP (closed loop) beside the engine in-process on the same work
+#   api-profile  serve.py's API process under cProfile (tests/device/profile_api.py) while 256
+#            closed-loop streams run; the top of the profile, by own time and by cumulative time
 #   busy     bench host at batch 1 / 64 / 256, then GPU busy in the overlapped loop at 1 / 64 / 256
 #            with and without the drafter (bench engine's profiled steps)
 #   overlap  the step-cost profiles timed in the overlapped loop (with and without the drafter), the
@@ -21,15 +23,14 @@
 #   waves    the sweep with admission in waves (the default) beside admitting at once, then the
 #            step-cost profiles of random-weight Qwen3-8B (TABLE=a default-pair cost table)
 #   repeat   no-spec / static / compact / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
-#   front    serve.py over HTTP at 64 / 256: before the relay (when .carry/old is carried), today's with
-#            every body prepared in a worker thread, today's default; then today's at 1 / 16 / 64 / 256
-#            with and without the drafter, beside the engine in-process on the same work
+#   front    serve.py over HTTP at 64 / 256: before the relay (when .carry/old is carried), this tree's
+#            with every body prepared in a worker thread, this tree's default; then the serve stage
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|front|busy|overlap|thesis|waves|repeat|last}
-case $stage in step|serve|front|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, front, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|last}
+case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -64,17 +65,10 @@ step)
   echo "timeline rc=$?"
   grep -H "batch  *256" "$R"/host_*.txt
   grep -hE "^\| overlap" "$R"/engine_*.txt ;;
-serve)
-  timeout 230 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 16 64 256 --warmup-s 3 \
-    --duration 6 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
-  echo "serve http rc=$?"
-  timeout 110 $new serve --frontend engine --systems no-spec static --concurrency 64 256 --warmup-s 3 \
-    --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
-  echo "serve engine rc=$?"
-  tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
 front)
-  # serve.py over HTTP at 64 / 256: before the relay (.carry/old, when carried), today's with every
-  # body prepared in a worker thread (--prepare-inline-bytes 0), and today's default
+  # serve.py over HTTP at 64 / 256: before the relay (.carry/old, when carried), this tree's with
+  # every body prepared in a worker thread (--prepare-inline-bytes 0), and this tree's default;
+  # then on into the serve stage
   flags="--port {port} --log-level warning --max-num-seqs 256 --kv-cache-memory-gb 4 --no-enable-prefix-cache {flags}"
   for side in old threads new; do
     dir=$([ $side = old ] && echo .carry/old || echo .)
@@ -85,13 +79,23 @@ front)
       --out "$R/http_$side.json" > "$R/http_$side.txt" 2>&1
     echo "http $side rc=$?"
   done
+  for f in "$R"/http_*.txt; do echo "$f"; tail -n 3 "$f" | head -n 2; done ;&
+serve)
   timeout 200 $new serve --frontend http --spawn --systems no-spec static --concurrency 1 16 64 256 --warmup-s 3 \
     --duration 6 --out "$R/serve_http.json" > "$R/serve_http.txt" 2>&1
   echo "serve http rc=$?"
   timeout 110 $new serve --frontend engine --systems no-spec static --concurrency 64 256 --warmup-s 3 \
     --duration 6 --out "$R/serve_engine.json" > "$R/serve_engine.txt" 2>&1
   echo "serve engine rc=$?"
-  for f in "$R"/http_*.txt; do tail -n 3 "$f" | head -n 2; done; tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
+  tail -n 9 "$R/serve_http.txt" "$R/serve_engine.txt" ;;
+api-profile)
+  timeout 100 $new serve --frontend http --systems static --concurrency 256 --warmup-s 3 --duration 8 \
+    --serve-cmd "env PROF_OUT=$R/api.prof PYTHONPATH=.:/tmp/site python3 tests/device/profile_api.py --port {port} --log-level warning --max-num-seqs 256 --kv-cache-memory-gb 4 --no-enable-prefix-cache {flags}" \
+    --out "$R/api_profile.json" > "$R/api_profile.txt" 2>&1
+  echo "api profile rc=$?"
+  python3 -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('tottime').print_stats(45); p.sort_stats('cumtime').print_stats('nanodspark|starlette|fastapi|uvicorn', 60)" \
+    "$R/api.prof" > "$R/api_stats.txt" 2>&1
+  tail -n 3 "$R/api_profile.txt"; head -c 4000 "$R/api_stats.txt" ;;
 busy)
   timeout 60 $new host --batches 1 64 256 --steps 12 --repeats 3 --out "$R/host.json" > "$R/host.txt" 2>&1
   echo "host rc=$?"
