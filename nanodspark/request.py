@@ -114,6 +114,7 @@ class Request:
         self.stream_text = stream_text    # decode text every step (streaming, stop strings); False: once, at
                                           # the finish (offline `generate`: nobody reads the deltas)
         self.arrival = time.monotonic()
+        self.scheduled_time: float | None = None     # when first admitted (its wait in the queue ends)
         self.first_token_time: float | None = None   # when the first output token was committed (TTFT)
         self.finish_time: float | None = None
         self.error: str | None = None     # why the engine aborted it (finish_reason "error")

@@ -31,6 +31,7 @@ chapter 13 (SWA replay and snapshots).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -294,6 +295,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running[req] = None
             self.changed.add(req)
             b.reserved[req.slot] = self._reserved(req)

@@ -172,6 +172,46 @@ def test_small_bodies_are_prepared_on_the_event_loop_large_ones_in_a_worker(engi
         OpenAIServer(engine, MODEL, prepare_inline_bytes=-1)
 
 
+def test_the_stream_response_sends_events_and_ends_when_the_client_leaves():
+    """`_Stream`, the lean SSE response: the events go out as body chunks after an event-stream
+    head and a closing empty chunk; a client that disconnects ends the events through
+    `on_disconnect` (no chunk after it); `on_close` runs once either way."""
+    from nanodspark.server.app import _Stream
+
+    async def run(leave: bool):
+        queue, sent, closed = asyncio.Queue(), [], []
+        for x in ("data: 1\n\n", "data: 2\n\n"):
+            queue.put_nowait(x)
+        gone = asyncio.Event()
+
+        async def events():
+            while (item := await queue.get()) is not None:
+                yield item
+
+        async def receive():
+            if leave:
+                await asyncio.sleep(0.05)           # after the queued events went out
+                return {"type": "http.disconnect"}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if not leave and len(sent) == 3:
+                queue.put_nowait(None)              # the stream's own end
+
+        stream = _Stream(events(), lambda: closed.append(1), lambda: queue.put_nowait(None))
+        await asyncio.wait_for(stream(None, receive, send), 5)
+        return sent, closed
+
+    for leave in (False, True):
+        sent, closed = asyncio.run(run(leave))
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert dict(sent[0]["headers"])[b"content-type"].startswith(b"text/event-stream")
+        assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+        assert sent[-1]["more_body"] is False and closed == [1]
+
+
 def test_the_startup_summary_says_what_runs(engine):
     info = EngineInfo.of(engine, load_seconds=1.25)
     text = "\n".join(info.summary())

@@ -194,6 +194,42 @@ def test_merged_step_outputs_answer_exactly_as_step_by_step(tokenizer, group):
         assert len(got["a"]) < len(want["a"])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_keeps_each_requests_tokens_in_order_its_last_counters_and_its_finish(seed):
+    """`StepOutputs.merge` (array operations) against the plain reading of what it promises:
+    per request, the concatenation of its rows' tokens, the counters of its last row, its
+    latest finish; requests in order of first appearance; admissions, failures, waits kept."""
+    from nanodspark.server.engine_loop import SPEC_FIELDS
+    rng = np.random.default_rng(seed)
+    n = len(SPEC_FIELDS)
+    batches, want = [], {}
+    for step in range(int(rng.integers(2, 7))):
+        b = StepOutputs()
+        b.admitted.append(("accepted", f"new{step}"))
+        b.waits.append((0.1 * step, 0.2))
+        for rid in rng.choice([f"r{i}" for i in range(9)], int(rng.integers(0, 6)), replace=False).tolist():
+            toks = rng.integers(0, 1000, int(rng.integers(0, 4))).tolist()
+            spec = rng.integers(0, 50, n).tolist()
+            finish = ("length", None) if rng.random() < 0.15 else None
+            if finish is not None:
+                b.finished[len(b.request_ids)] = finish
+            b.request_ids.append(rid)
+            b.num_tokens.append(len(toks))
+            b.token_ids.extend(toks)
+            b.spec.extend(spec)
+            w = want.setdefault(rid, [[], None, None])
+            w[0] += toks
+            w[1] = tuple(spec)
+            w[2] = finish or w[2]
+        batches.append(b)
+    m = StepOutputs.merge(batches)
+    assert m.request_ids == list(want)
+    assert {rid: [ids, spec, fin] for rid, ids, fin, spec in m.rows()} == {
+        rid: [ids, spec, fin] for rid, (ids, spec, fin) in want.items()}
+    assert m.admitted == [("accepted", f"new{i}") for i in range(len(batches))]
+    assert m.waits == [(0.1 * i, 0.2) for i in range(len(batches))]
+
+
 def test_bulk_histogram_exposes_what_prometheus_histogram_does():
     """The metrics' histograms (numpy buckets, an observation n times over as one entry) give the
     same `_bucket`, `_sum` and `_count` series as prometheus_client's own Histogram, values on
@@ -425,15 +461,20 @@ def test_core_server_metrics_add_up(core_server):
     delta = {k: metric(after, k) - metric(before, k) for k in (
         "nanodspark_generation_tokens_total", "nanodspark_time_to_first_token_seconds_count",
         "nanodspark_request_latency_seconds_count", "nanodspark_request_prepare_seconds_count",
-        "nanodspark_request_admission_seconds_count")}
+        "nanodspark_request_admission_seconds_count", "nanodspark_request_queue_time_seconds_count",
+        "nanodspark_request_prefill_time_seconds_count")}
     assert delta == {"nanodspark_generation_tokens_total": total, "nanodspark_time_to_first_token_seconds_count": 30,
                      "nanodspark_request_latency_seconds_count": 30, "nanodspark_request_prepare_seconds_count": 30,
-                     "nanodspark_request_admission_seconds_count": 30}
-    # the parts of TTFT the bench reads: the acceptance comes no later than the first token
+                     "nanodspark_request_admission_seconds_count": 30, "nanodspark_request_queue_time_seconds_count": 30,
+                     "nanodspark_request_prefill_time_seconds_count": 30}
+    # the parts of TTFT the bench reads: the acceptance comes no later than the first token, and
+    # the engine's own queue and prefill (its clock, in the other process) fit inside the API's TTFT
     from nanodspark.lab.bench_serve import server_latency_sums
     sums = server_latency_sums(core_server.base)
-    assert set(sums) == {"prepare", "admission", "first_token_after_submit"}
+    assert set(sums) == {"prepare", "admission", "first_token_after_submit", "engine_queue", "engine_prefill"}
     assert 0 < sums["prepare"][0] and sums["admission"][0] <= sums["first_token_after_submit"][0] + 1e-6
+    assert 0 < sums["engine_prefill"][0]
+    assert sums["engine_queue"][0] + sums["engine_prefill"][0] <= sums["first_token_after_submit"][0] + 1e-6
     assert metric(after, "nanodspark_engine_core_resident_memory_bytes") > 50 * 2**20
     assert metric(after, "nanodspark_requests_in_flight") == 0 and httpx.get(core_server.base + "/health").json() == {
         "status": "ok"}

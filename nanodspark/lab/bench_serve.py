@@ -24,7 +24,10 @@ Definitions (vLLM's names)
     Per-request figures are over the measured requests: those sent inside the window.
     server_ms (HTTP)  the server's own split of TTFT, means over the window from its /metrics:
               prepare (handler start to submission), admission (submission to the engine's
-              acceptance), first_token_after_submit; the rest of TTFT is HTTP and queueing.
+              acceptance), first_token_after_submit, and inside it the engine's own
+              engine_queue and engine_prefill; the rest of TTFT is HTTP and the event loop.
+    api_cpu_share (HTTP)  the server's API process's CPU seconds per second over the window
+              (its process_cpu_seconds_total): near 1, its event loop is the bound.
 
 Invariants
     * Request i is the same everywhere (prompt i mod P of the workload, its own seeded output
@@ -386,7 +389,7 @@ async def http_closed_loop(url: str, work: ServeWorkload, concurrency: int, warm
         while not done.is_set():
             now = clock()
             if not scrapes and now >= t0:     # the server's latency sums as the window opens
-                scrapes.append(await asyncio.to_thread(server_latency_sums, url))
+                scrapes.append((await asyncio.to_thread(metrics_text, url), clock()))
             check(now)
             await asyncio.sleep(0.02)
 
@@ -399,24 +402,46 @@ async def http_closed_loop(url: str, work: ServeWorkload, concurrency: int, warm
     await asyncio.gather(*tasks, return_exceptions=True)
     t1 = st["t1"]
     extra = {"client_cpu_share": round(cpu / max(t1 - start, 1e-9), 3)}
-    if scrapes and scrapes[0] is not None and (end := server_latency_sums(url)) is not None:
-        extra["server_ms"] = {k: round(1e3 * (end[k][0] - scrapes[0][k][0]) / (end[k][1] - scrapes[0][k][1]), 3)
-                              for k in end if k in scrapes[0] and end[k][1] > scrapes[0][k][1]}
+    if scrapes and scrapes[0][0] is not None and (text := metrics_text(url)) is not None:
+        a, b = server_latency_sums(text=scrapes[0][0]), server_latency_sums(text=text)
+        if a and b:
+            extra["server_ms"] = {k: round(1e3 * (b[k][0] - a[k][0]) / (b[k][1] - a[k][1]), 3)
+                                  for k in b if k in a and b[k][1] > a[k][1]}
+        cpu = [_sample(x, "process_cpu_seconds_total") for x in (scrapes[0][0], text)]
+        if None not in cpu:     # the API process's CPU over the window, in cores
+            extra["api_cpu_share"] = round((cpu[1] - cpu[0]) / max(clock() - scrapes[0][1], 1e-9), 3)
     return Run(records, t0, t1, extra)
 
 
 SERVER_LATENCIES = {"prepare": "nanodspark_request_prepare_seconds",
                     "admission": "nanodspark_request_admission_seconds",
-                    "first_token_after_submit": "nanodspark_time_to_first_token_seconds"}
+                    "first_token_after_submit": "nanodspark_time_to_first_token_seconds",
+                    "engine_queue": "nanodspark_request_queue_time_seconds",
+                    "engine_prefill": "nanodspark_request_prefill_time_seconds"}
 
 
-def server_latency_sums(url: str) -> dict | None:
-    """(sum, count) of the server's latency histograms from its /metrics, or None if it has none:
-    their difference over the window gives the mean of each part of the server's TTFT."""
+def metrics_text(url: str) -> str | None:
+    """The server's /metrics, or None if it has none."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return r.read().decode()
     except OSError:
+        return None
+
+
+def _sample(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def server_latency_sums(url: str | None = None, text: str | None = None) -> dict | None:
+    """(sum, count) of the server's latency histograms from its /metrics (or their `text`), or
+    None if it has none: their difference over the window gives the mean of each part of the
+    server's TTFT."""
+    text = metrics_text(url) if text is None else text
+    if text is None:
         return None
     values = {}
     for line in text.splitlines():
@@ -699,7 +724,8 @@ def serve_bench(args) -> dict:
                       f"{row['per_user_tok_s']:>8,.1f}  TTFT p50 {row['ttft_ms'].get('p50', float('nan')):8.1f} ms"
                       f"  ({row['requests_measured']} requests, {row['errors']} errors)", flush=True)
                 if row.get("server_ms"):
-                    print(" " * 18 + "server, mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in row["server_ms"].items()),
+                    cpu = f"; API process {row['api_cpu_share']:.2f} cores" if row.get("api_cpu_share") is not None else ""
+                    print(" " * 18 + "server, mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in row["server_ms"].items()) + cpu,
                           flush=True)
                 if args.out:                       # keep what is measured if the call is cut short
                     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

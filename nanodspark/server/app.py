@@ -21,8 +21,8 @@ the bodies held at once are bounded too, else 429); the JSON's depth and text (4
 not tokenized); prompt + `max_tokens` over the context (400 with the arithmetic). Tokenizing
 runs in the pool with the interpreter lock released (`Tokenizer.encode_releasing_gil`).
 
-Abort: a client that goes away mid-stream cancels the response task; `_Stream.__call__` sends
-`abort` in a `finally`; a non-streaming handler polls `request.is_disconnected()`. Shutdown
+Abort: a client that goes away mid-stream ends its events (`_Stream` watches for the
+disconnect), and `_Stream.__call__` sends `abort` in a `finally`; a non-streaming handler polls `request.is_disconnected()`. Shutdown
 (`HTTPServer`) first aborts every request, then the lifespan exit stops the engine side. With
 an API key every `/v1` route wants `Authorization: Bearer KEY` (else 401); `/health`,
 `/metrics`, `/version`, `/tokenize` and `/detokenize` stay open, as vLLM's do.
@@ -41,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import inspect
+import json
 import logging
 import time
 import uuid
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -88,19 +90,37 @@ class _Prepared:
 
 
 # ----------------------------------------------------------------------------- responses
-class _Stream(StreamingResponse):
-    """A streaming response that runs `on_close` however it ends (done, disconnect, cancel)."""
+GONE = object()   # put on a streaming handle's queue when its client disconnects
 
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+
+class _Stream(Response):
+    """Server-sent events as a lean ASGI response. Starlette's `StreamingResponse` builds an
+    anyio task group per response to notice a client that leaves; at hundreds of streams that
+    is a fair share of the event loop. Here one plain task waits for the disconnect and calls
+    `on_disconnect` (which ends the events), and `on_close` runs however the response ends."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+    def __init__(self, content, on_close, on_disconnect):     # (a Response, so FastAPI passes it through)
+        self.content, self.on_close, self.on_disconnect = content, on_close, on_disconnect
+        self.status_code, self.background, self.raw_headers = 200, None, list(self.HEADERS)
 
     async def __call__(self, scope, receive, send):
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.on_disconnect()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.content:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._on_close()
+            watcher.cancel()
+            self.on_close()
 
 
 class _CountRequests:
@@ -381,10 +401,15 @@ class OpenAIServer:
         finally:
             self._close(h)
 
+    def _stream(self, h: Handle, events) -> _Stream:
+        return _Stream(events, lambda: self._close(h), lambda: h.queue.put_nowait(GONE))
+
     async def _events(self, h: Handle, chunk, include_usage: bool, first_chunk=None):
         """Server-sent events: OpenAI chunks, an optional usage chunk, then `[DONE]`."""
         if first_chunk is not None:
             yield sse_event(first_chunk)
+        # A text chunk is this stream's JSON around the text: made once, filled per chunk.
+        head, tail = sse_event(chunk("\0", None)).split('"\\u0000"')
         held = None
         while True:
             item, held = held if held is not None else await h.queue.get(), None
@@ -396,13 +421,17 @@ class OpenAIServer:
                     break
                 item = dataclasses.replace(later, new_token_ids=item.new_token_ids + later.new_token_ids,
                                            text_delta=item.text_delta + later.text_delta)
+            if item is GONE:        # the client left: nothing more to send (`_close` aborts it)
+                return
             if isinstance(item, APIError):
                 h.finished = True
                 yield sse_event(item.body(), ascii=True)
                 break
             if item.finished:
                 h.finished = True
-            yield sse_event(chunk(item.text_delta, item.finish_reason if item.finished else None))
+                yield sse_event(chunk(item.text_delta, item.finish_reason))
+            else:
+                yield head + json.dumps(item.text_delta, ensure_ascii=False) + tail
             if item.finished:
                 if include_usage:
                     yield sse_event({**chunk("", None), "choices": [], "usage": usage_of(item)})
@@ -428,7 +457,7 @@ class OpenAIServer:
             return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
         if prep.stream:
-            return _Stream(self._events(h, chunk, prep.include_usage), lambda: self._close(h))
+            return self._stream(h, self._events(h, chunk, prep.include_usage))
         text, out = await self._collect(request, h)
         return {**chunk(text, out.finish_reason), "usage": usage_of(out)}
 
@@ -446,7 +475,7 @@ class OpenAIServer:
 
         if prep.stream:
             first = chunk("", None, {"role": "assistant", "content": ""})
-            return _Stream(self._events(h, chunk, prep.include_usage, first), lambda: self._close(h))
+            return self._stream(h, self._events(h, chunk, prep.include_usage, first))
         text, out = await self._collect(request, h)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -572,6 +601,12 @@ class _APIKey:
         await self.app(scope, receive, send)
 
 
+# FastAPI >= 0.160 asks OpenTelemetry for its providers on every request (a few percent of the event
+# loop at high load); this server exports Prometheus metrics (/metrics) instead.
+_NO_OTEL = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+            if "telemetry" in inspect.signature(FastAPI).parameters else {})
+
+
 def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS,
                api_key: str | None = None, prepare_inline_bytes: int = DEFAULT_PREPARE_INLINE_BYTES) -> FastAPI:
@@ -590,7 +625,7 @@ def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
             await asyncio.to_thread(server.loop.stop)
             server.outputs.close(APIError(503, "the server is shutting down", "server_error"))
 
-    app = FastAPI(title="nanodspark", lifespan=lifespan)
+    app = FastAPI(title="nanodspark", lifespan=lifespan, **_NO_OTEL)
     app.state.server = server
     if api_key:
         app.add_middleware(_APIKey, key=api_key)

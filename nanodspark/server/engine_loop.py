@@ -80,6 +80,7 @@ class StepOutputs:
     spec: array = field(default_factory=lambda: array("q"))   # len(SPEC_FIELDS) counters per row
     finished: dict[int, tuple[str, str | None]] = field(default_factory=dict)   # row -> (reason, error)
     failed: list[tuple[str, int, str, str]] = field(default_factory=list)       # (id, status, type, message)
+    waits: list[tuple[float, float]] = field(default_factory=list)   # per finished request: (queue, prefill) s
     state: EngineState | None = None
     closing: tuple[int, str, str] | None = None   # the loop ended: (status, type, message) for the rest
 
@@ -90,29 +91,37 @@ class StepOutputs:
     def merge(cls, batches: list["StepOutputs"]) -> "StepOutputs":
         """Several steps' outputs as one, a row per request: its tokens in order, its latest
         counters (they are running totals) and its finish. Used when the reader falls behind,
-        so the API side pays per request per delivery, not per request per step."""
+        so the API side pays per request per delivery, not per request per step; array
+        operations here, so merging costs little more than copying the tokens."""
         if len(batches) == 1:
             return batches[0]
         out = cls()
-        rows: dict[str, list] = {}                 # id -> [token lists, spec, finish]; insertion order
+        ids, finishes, num_tokens, token_ids, spec = [], {}, [], [], []
         for b in batches:
             out.admitted += b.admitted
             out.failed += b.failed
+            out.waits += b.waits
             out.state = b.state or out.state
             out.closing = out.closing or b.closing
-            for rid, ids, finish, spec in b.rows():
-                row = rows.setdefault(rid, [[], spec, None])
-                row[0].append(ids)
-                row[1] = spec
-                row[2] = finish or row[2]
-        for rid, (parts, spec, finish) in rows.items():
-            if finish is not None:
-                out.finished[len(out.request_ids)] = finish
-            out.request_ids.append(rid)
-            out.num_tokens.append(sum(map(len, parts)))
-            for ids in parts:
-                out.token_ids.extend(ids)
-            out.spec.extend(spec)
+            finishes.update({len(ids) + i: f for i, f in b.finished.items()})
+            ids += b.request_ids
+            num_tokens.append(_ints(b.num_tokens))
+            token_ids.append(_ints(b.token_ids))
+            spec.append(_ints(b.spec))
+        if not ids:
+            return out
+        first: dict[str, int] = {}                 # id -> its row in the merged output (first seen)
+        row = np.fromiter((first.setdefault(r, len(first)) for r in ids), np.int64, len(ids))
+        counts = np.concatenate(num_tokens)
+        tokens = np.concatenate(token_ids)[np.argsort(np.repeat(row, counts), kind="stable")]
+        latest = np.full(len(first), -1, np.int64)
+        np.maximum.at(latest, row, np.arange(len(ids)))          # each request's last row: its counters
+        out.request_ids = list(first)
+        out.num_tokens.frombytes(np.bincount(row, counts, len(first)).astype(np.int64).tobytes())
+        out.token_ids.frombytes(tokens.astype(np.int64).tobytes())
+        out.spec.frombytes(np.concatenate(spec).reshape(len(ids), -1)[latest].astype(np.int64).tobytes())
+        for i in sorted(finishes):                  # a later finish wins, as it would step by step
+            out.finished[int(row[i])] = finishes[i]
         return out
 
     def rows(self):
@@ -123,6 +132,11 @@ class StepOutputs:
             end = start + self.num_tokens[i]
             yield rid, self.token_ids[start:end].tolist(), self.finished.get(i), tuple(self.spec[i * n:(i + 1) * n])
             start = end
+
+
+def _ints(a: array) -> np.ndarray:
+    """An `array` of C integers as a numpy view (no copy)."""
+    return np.frombuffer(a, dtype=np.dtype(a.typecode)) if len(a) else np.zeros(0, np.int64)
 
 
 class Relay:
@@ -374,6 +388,9 @@ class EngineLoop:
         o = self._out
         if out.finished:
             o.finished[len(o.request_ids)] = (out.finish_reason, getattr(out, "error", None))
+            req = getattr(self.engine, "requests", {}).get(out.request_id)
+            if getattr(req, "first_token_time", None) is not None and req.scheduled_time is not None:
+                o.waits.append((req.scheduled_time - req.arrival, req.first_token_time - req.scheduled_time))
             self.engine.release(out.request_id)
             self._live.discard(out.request_id)
         o.request_ids.append(out.request_id)

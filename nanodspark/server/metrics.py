@@ -136,6 +136,11 @@ class Metrics:
                                      "check and tokenize the body", TTFT_BUCKETS, r)
         self.admission = BulkHistogram(p + "request_admission_seconds", "Submission to the engine's acceptance: "
                                        "the pipe, the engine loop's inbox, the step in flight", TTFT_BUCKETS, r)
+        # ... and inside the engine (vLLM's names), observed when the request finishes
+        self.queue_time = BulkHistogram(p + "request_queue_time_seconds", "In the engine's waiting queue: "
+                                        "its arrival there to its first admission", TTFT_BUCKETS, r)
+        self.prefill_time = BulkHistogram(p + "request_prefill_time_seconds", "First admission to the first "
+                                          "token committed: the prefill's steps", TTFT_BUCKETS, r)
         # engine state
         self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests queued in the engine", registry=r)
@@ -216,6 +221,11 @@ class Metrics:
         if received is not None:
             self.prepare.observe(arrival - received)
             self.admission.observe(time.monotonic() - arrival)
+
+    def engine_waits(self, queue: float, prefill: float) -> None:
+        """A finished request's time in the engine's queue and in its prefill (the engine's clock)."""
+        self.queue_time.observe(queue)
+        self.prefill_time.observe(prefill)
 
     def on_tokens(self, request_id: str, n: int, spec: tuple = (), now: float | None = None) -> None:
         """Account `n` new tokens of a request (latency) and its speculative counters so far."""

@@ -125,6 +125,8 @@ class OutputProcessor:
             if h is not None and not h.ended:
                 self.metrics.forget(rid)
                 self._put(h, APIError(status, message, kind))
+        for queue, prefill in b.waits:
+            self.metrics.engine_waits(queue, prefill)
         if b.state is not None:
             s = b.state
             self.metrics.set_engine_state(s.running, s.waiting, s.kv_usage, s.spec, s.eplb, s.device_memory,

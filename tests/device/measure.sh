@@ -25,12 +25,18 @@
 #   repeat   no-spec / static / compact / A/A at 64 and 256, two rotating rounds (TABLE as for waves)
 #   front    serve.py over HTTP at 64 / 256: before the relay (when .carry/old is carried), this tree's
 #            with every body prepared in a worker thread, this tree's default; then the serve stage
+#   ttft     where serve.py's TTFT goes at 256: HTTP at 64 / 256 with the server's split (admission in
+#            waves, the default, and at once), the engine in-process on the same work, then one
+#            server loaded by one client process at 256 and by two at 128 each (is the client the bound?)
+#   api      the API process before (.carry/old) and after, side by side: both servers up, each warmed,
+#            then c256 and c64 over HTTP in alternating rounds (old new new old), then the engine
+#            in-process at 64 / 256 on the same work
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|last}
-case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|last}
+case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, ttft, api, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -158,6 +164,72 @@ repeat)      # TABLE as for waves: no-spec / static / compact / A/A at 64 and 25
     --out "$R/thesis_repeat.json" > "$R/thesis_repeat.txt" 2>&1
   echo "repeat rc=$?"; pack
   tail -n 14 "$R/thesis_repeat.txt" ;;
+ttft)
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  for w in auto 0; do
+    timeout 110 $new serve --frontend http --spawn --systems static --concurrency 64 256 --warmup-s 3 --duration 6 \
+      --max-waiting-steps $w --out "$R/http_waits_$w.json" > "$R/http_waits_$w.txt" 2>&1
+    echo "http waits $w rc=$?"; pack
+  done
+  timeout 100 $new serve --frontend engine --systems static --concurrency 64 256 --warmup-s 3 --duration 6 \
+    --out "$R/engine.json" > "$R/engine.txt" 2>&1
+  echo "engine rc=$?"; pack
+  port=18731
+  env PYTHONPATH=.:/tmp/site python3 serve.py --port $port --log-level warning --max-num-seqs 256 \
+    --kv-cache-memory-gb 4 --no-enable-prefix-cache > "$R/server.log" 2>&1 &
+  server=$!
+  python3 -c "import sys, time, urllib.request as u
+for _ in range(240):
+    try: u.urlopen(sys.argv[1] + '/health', timeout=2); sys.exit(0)
+    except OSError: time.sleep(0.5)
+sys.exit(1)" http://127.0.0.1:$port || echo "the server did not come up"
+  url="--frontend http --url http://127.0.0.1:$port --systems static --warmup-s 3 --duration 6"
+  timeout 40 $new serve $url --concurrency 256 --out "$R/one_client.json" > "$R/one_client.txt" 2>&1
+  echo "one client rc=$?"
+  timeout 40 $new serve $url --concurrency 128 --out "$R/two_a.json" > "$R/two_a.txt" 2>&1 &
+  a=$!
+  timeout 40 $new serve $url --concurrency 128 --out "$R/two_b.json" > "$R/two_b.txt" 2>&1
+  wait $a
+  echo "two clients done"
+  kill $server; wait $server 2>/dev/null; pack
+  for f in http_waits_auto http_waits_0 engine one_client two_a two_b; do echo "== $f"; tail -n 9 "$R/$f.txt"; done ;;
+api)
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  up() {   # up DIR PORT [PYTHONPATH first]: a serve.py from DIR on PORT, in the background
+    env -C "$1" PYTHONPATH=${3:+$3:}.:/tmp/site python3 serve.py --port "$2" --log-level warning --max-num-seqs 256 \
+      --kv-cache-memory-gb 4 --no-enable-prefix-cache > "$R/server_$2.log" 2>&1 &
+    pids+=($!)
+  }
+  ready() { python3 -c "import sys, time, urllib.request as u
+for _ in range(480):
+    try: u.urlopen(sys.argv[1] + '/health', timeout=2); sys.exit(0)
+    except OSError: time.sleep(0.5)
+sys.exit(1)" "http://127.0.0.1:$1" || echo "the server on $1 did not come up"; }
+  # sides: old (.carry/old), new (this tree) and, when .carry/swi is carried, this tree with its
+  # sitecustomize.py first on the path (an interpreter setting tried in both server processes)
+  declare -A port=([old]=18701 [new]=18702 [swi]=18703)
+  sides="old new"; order="old new new old"
+  [ -d .carry/swi ] && sides="old new swi" && order="old new swi swi new old"
+  for side in $sides; do
+    case $side in old) up .carry/old 18701 ;; new) up . 18702 ;; swi) up . 18703 "$PWD/.carry/swi" ;; esac
+  done
+  for side in $sides; do ready ${port[$side]}; done
+  for side in $sides; do   # warm each: the first seconds of a fresh server are not its steady state
+    timeout 40 $new serve --frontend http --url http://127.0.0.1:${port[$side]} --systems static --concurrency 256 \
+      --warmup-s 2 --duration 4 > "$R/warm_$side.txt" 2>&1
+  done
+  round=0
+  for side in $order; do
+    round=$((round + 1))
+    timeout 60 $new serve --frontend http --url http://127.0.0.1:${port[$side]} --systems static --concurrency 256 64 \
+      --warmup-s 2 --duration 6 --out "$R/http_${side}_$round.json" > "$R/http_${side}_$round.txt" 2>&1
+    echo "http $side round $round rc=$?"; pack
+  done
+  kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null
+  timeout 100 $new serve --frontend engine --systems static --concurrency 256 64 --warmup-s 2 --duration 6 \
+    --out "$R/engine.json" > "$R/engine.txt" 2>&1
+  echo "engine rc=$?"; pack
+  for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=|server, mean" "$f"; done ;;
 last)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
   timeout 75 $new profile --batch-sizes 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
