@@ -268,7 +268,9 @@ def test_serve_sweep_writes_every_run_paired_ratios_the_front_and_a_table(tiny_d
     saved = json.loads(out.read_text())
     systems = ["no-spec", "static", "compact", "static-b"]
     assert {(r["mode"], r["concurrency"]) for r in saved["sweep"]} == {(s, 2) for s in systems}
-    assert len(saved["runs"]) == 8 and not saved["partial"] and saved["device"].startswith("cpu")
+    import torch
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    assert len(saved["runs"]) == 8 and not saved["partial"] and saved["device"].startswith(here)
     # the order rotates each round: round 0 starts with no-spec, round 1 with static
     firsts = [saved["runs"][i]["mode"] for i in (0, 4)]
     assert firsts == ["no-spec", "static"]
