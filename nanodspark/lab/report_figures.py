@@ -204,6 +204,29 @@ FIGURES = [
             {"name": "the same, small bodies prepared on the event loop (the default)", "call": "B", "k": "inline",
              "e": "engB"}]),
 
+    Figure("serve-api", {"a": "benchmarks/api_lean_h200.json"},
+           H200 + "; the default pair with its drafter (static windows), closed loop, mix workload, greedy; in each "
+           "call the servers are up at once and warmed, then rounds old new [swi swi] new old, one 6 s window after "
+           "2 s at 256 and at 64; medians of two rounds, ÷ in-process (min–max) against the engine in-process in the "
+           "same call. old: 06ab263; new: the lean stream path; swi: new with `sys.setswitchinterval(0.0005)` in "
+           "both server processes (an experiment, not adopted)",
+           ["call", "API process", "HTTP tok/s, 64 · 256", "÷ in-process at 64", "÷ in-process at 256",
+            "TTFT ms at 256: client p50 · server mean", "API process cores at 256"],
+           [["{call}", "{side}",
+             "<a:summary[call={call},side={side},concurrency=64].total_tok_s|,.0f> · "
+             "<a:summary[call={call},side={side},concurrency=256].total_tok_s|,.0f>",
+             "<a:summary[call={call},side={side},concurrency=64].over_in_process|.2f> "
+             "(<a:summary[call={call},side={side},concurrency=64].over_in_process_min|.2f>–"
+             "<a:summary[call={call},side={side},concurrency=64].over_in_process_max|.2f>)",
+             "<a:summary[call={call},side={side},concurrency=256].over_in_process|.2f> "
+             "(<a:summary[call={call},side={side},concurrency=256].over_in_process_min|.2f>–"
+             "<a:summary[call={call},side={side},concurrency=256].over_in_process_max|.2f>)",
+             "<a:summary[call={call},side={side},concurrency=256].ttft_p50_ms|.0f> · "
+             "<a:summary[call={call},side={side},concurrency=256].first_token_after_submit_ms|.0f>",
+             "<a:summary[call={call},side={side},concurrency=256].api_cpu_share|.2f>"]],
+           [{"call": c, "side": s} for c, sides in (("1", ("old", "new")), ("2", ("old", "new", "swi")))
+            for s in sides]),
+
     Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
            "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",
            ["run", "requests ok", "errors (5xx or dropped)", "fault replies not as expected", "latency p50 / p99 s", "output tok/s",
