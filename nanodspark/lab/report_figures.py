@@ -224,8 +224,8 @@ FIGURES = [
              "<a:summary[call={call},side={side},concurrency=256].ttft_p50_ms|.0f> · "
              "<a:summary[call={call},side={side},concurrency=256].first_token_after_submit_ms|.0f>",
              "<a:summary[call={call},side={side},concurrency=256].api_cpu_share|.2f>"]],
-           [{"call": c, "side": s} for c, sides in (("1", ("old", "new")), ("2", ("old", "new", "swi")))
-            for s in sides]),
+           [{"call": c, "side": s} for c, sides in (("1", ("old", "new")), ("2", ("old", "new", "swi")),
+                                                      ("3", ("old", "new"))) for s in sides]),
 
     Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
            "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",
