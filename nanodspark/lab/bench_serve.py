@@ -407,7 +407,7 @@ async def http_closed_loop(url: str, work: ServeWorkload, concurrency: int, warm
         if a and b:
             extra["server_ms"] = {k: round(1e3 * (b[k][0] - a[k][0]) / (b[k][1] - a[k][1]), 3)
                                   for k in b if k in a and b[k][1] > a[k][1]}
-        cpu = [_sample(x, "process_cpu_seconds_total") for x in (scrapes[0][0], text)]
+        cpu = [parse_metrics(x).get("process_cpu_seconds_total") for x in (scrapes[0][0], text)]
         if None not in cpu:     # the API process's CPU over the window, in cores
             extra["api_cpu_share"] = round((cpu[1] - cpu[0]) / max(clock() - scrapes[0][1], 1e-9), 3)
     return Run(records, t0, t1, extra)
@@ -429,11 +429,18 @@ def metrics_text(url: str) -> str | None:
         return None
 
 
-def _sample(text: str, name: str) -> float | None:
+def parse_metrics(text: str) -> dict:
+    """Prometheus text -> {'name{labels}': value} (enough of the format for our own series)."""
+    out = {}
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            pass
+    return out
 
 
 def server_latency_sums(url: str | None = None, text: str | None = None) -> dict | None:
@@ -443,11 +450,7 @@ def server_latency_sums(url: str | None = None, text: str | None = None) -> dict
     text = metrics_text(url) if text is None else text
     if text is None:
         return None
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.endswith(("_sum", "_count")):
-            values[name] = float(value)
+    values = parse_metrics(text)
     out = {k: (values[m + "_sum"], values[m + "_count"]) for k, m in SERVER_LATENCIES.items()
            if m + "_sum" in values and m + "_count" in values}
     return out or None

@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from .bench_serve import parse_metrics
+
 WORDS = ("the cat sat on a mat while seven ships sailed north past quiet harbours and old lighthouses "
          "under a grey sky full of rain as the keeper counted waves and wrote numbers in a book").split()
 
@@ -96,20 +98,6 @@ def prompt_text(rng: random.Random) -> str:
 
 
 # ----------------------------------------------------------------------------- metrics
-def parse_metrics(text: str) -> dict:
-    """Prometheus text -> {'name{labels}': value} (enough of the format for our own series)."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            pass
-    return out
-
-
 def _sum(m: dict, prefix: str, *must: str) -> float | None:
     vals = [v for k, v in m.items() if k.startswith(prefix) and all(s in k for s in must)]
     return sum(vals) if vals else None

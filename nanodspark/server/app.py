@@ -22,10 +22,11 @@ not tokenized); prompt + `max_tokens` over the context (400 with the arithmetic)
 runs in the pool with the interpreter lock released (`Tokenizer.encode_releasing_gil`).
 
 Abort: a client that goes away mid-stream ends its events (`_Stream` watches for the
-disconnect), and `_Stream.__call__` sends `abort` in a `finally`; a non-streaming handler polls `request.is_disconnected()`. Shutdown
-(`HTTPServer`) first aborts every request, then the lifespan exit stops the engine side. With
-an API key every `/v1` route wants `Authorization: Bearer KEY` (else 401); `/health`,
-`/metrics`, `/version`, `/tokenize` and `/detokenize` stay open, as vLLM's do.
+disconnect), and `_Stream.__call__` sends `abort` in a `finally`; a non-streaming handler polls
+`request.is_disconnected()`. Shutdown (`HTTPServer`) first aborts every request, then the
+lifespan exit stops the engine side. With an API key every `/v1` route wants `Authorization:
+Bearer KEY` (else 401); `/health`, `/metrics`, `/version`, `/tokenize` and `/detokenize` stay
+open, as vLLM's do.
 
 Invariants
 ----------

@@ -44,6 +44,18 @@ R=$OUT/$stage; mkdir -p "$R"
 new="env PYTHONPATH=.:/tmp/site python3 -m nanodspark.bench"
 old="env -C .carry/old PYTHONPATH=.:/tmp/site python3 -m nanodspark.bench"
 PAIR=nanodspark/assets/default
+up() {      # up DIR PORT [a folder first on PYTHONPATH]: serve.py from DIR on PORT, in the background
+  env -C "$1" PYTHONPATH=${3:+$3:}.:/tmp/site python3 serve.py --port "$2" --log-level warning --max-num-seqs 256 \
+    --kv-cache-memory-gb 4 --no-enable-prefix-cache > "$R/server_$2.log" 2>&1 &
+  pids+=($!)
+}
+ready() {   # ready PORT: wait for its /health
+  python3 -c "import sys, time, urllib.request as u
+for _ in range(480):
+    try: u.urlopen(sys.argv[1] + '/health', timeout=2); sys.exit(0)
+    except OSError: time.sleep(0.5)
+sys.exit(1)" "http://127.0.0.1:$1" || echo "the server on $1 did not come up"
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 echo "old: $(cat .carry/old/COMMIT 2>/dev/null); new: $(git rev-parse --short HEAD 2>/dev/null)" | tee "$R/versions.txt"
 case $stage in
@@ -175,14 +187,7 @@ ttft)
     --out "$R/engine.json" > "$R/engine.txt" 2>&1
   echo "engine rc=$?"; pack
   port=18731
-  env PYTHONPATH=.:/tmp/site python3 serve.py --port $port --log-level warning --max-num-seqs 256 \
-    --kv-cache-memory-gb 4 --no-enable-prefix-cache > "$R/server.log" 2>&1 &
-  server=$!
-  python3 -c "import sys, time, urllib.request as u
-for _ in range(240):
-    try: u.urlopen(sys.argv[1] + '/health', timeout=2); sys.exit(0)
-    except OSError: time.sleep(0.5)
-sys.exit(1)" http://127.0.0.1:$port || echo "the server did not come up"
+  up . $port; ready $port
   url="--frontend http --url http://127.0.0.1:$port --systems static --warmup-s 3 --duration 6"
   timeout 40 $new serve $url --concurrency 256 --out "$R/one_client.json" > "$R/one_client.txt" 2>&1
   echo "one client rc=$?"
@@ -191,20 +196,10 @@ sys.exit(1)" http://127.0.0.1:$port || echo "the server did not come up"
   timeout 40 $new serve $url --concurrency 128 --out "$R/two_b.json" > "$R/two_b.txt" 2>&1
   wait $a
   echo "two clients done"
-  kill $server; wait $server 2>/dev/null; pack
+  kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null; pack
   for f in http_waits_auto http_waits_0 engine one_client two_a two_b; do echo "== $f"; tail -n 9 "$R/$f.txt"; done ;;
 api)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
-  up() {   # up DIR PORT [PYTHONPATH first]: a serve.py from DIR on PORT, in the background
-    env -C "$1" PYTHONPATH=${3:+$3:}.:/tmp/site python3 serve.py --port "$2" --log-level warning --max-num-seqs 256 \
-      --kv-cache-memory-gb 4 --no-enable-prefix-cache > "$R/server_$2.log" 2>&1 &
-    pids+=($!)
-  }
-  ready() { python3 -c "import sys, time, urllib.request as u
-for _ in range(480):
-    try: u.urlopen(sys.argv[1] + '/health', timeout=2); sys.exit(0)
-    except OSError: time.sleep(0.5)
-sys.exit(1)" "http://127.0.0.1:$1" || echo "the server on $1 did not come up"; }
   # sides: old (.carry/old), new (this tree) and, when .carry/swi is carried, this tree with its
   # sitecustomize.py first on the path (an interpreter setting tried in both server processes)
   declare -A port=([old]=18701 [new]=18702 [swi]=18703)
