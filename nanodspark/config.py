@@ -451,8 +451,14 @@ class EngineConfig:
     verify_min_gain: float = knob(0.04, "trim only if the predicted tokens/s beat full blocks by more than this",
                                   "speculation")
     verify_lag: int = knob(2, "steps between the confidences that size the budget and now (>= 1)", "speculation")
+    verify_plain_steps: bool = knob(True, "compact: a plain step (no drafter pass) where the target's own profile, "
+                                          "in the cost table's file, says drafting does not pay", "speculation")
     coupled_sampling: bool = knob(False, "drafts and verification share the target's noise: the same tokens "
                                          "with speculation on or off", "speculation")
+    synthetic_acceptance: str | None = knob(
+        None, "benchmarks of random weights only (load_format=dummy): 'LO:HI' = each request accepts a draft with "
+              "its own rate, uniform in [LO, HI], instead of by the target (output is not the target's)",
+        "speculation")
     # execution
     attention_backend: Literal["auto", "torch", "triton"] = knob(
         "auto", "torch = the reference (runs anywhere); triton = the paged kernels; auto = triton on cuda",
@@ -548,6 +554,12 @@ class EngineConfig:
                              f"not {self.swa_replay_tokens!r}")
         if self.swa_snapshots < 0 or self.swa_snapshot_ttl_s <= 0:
             raise ValueError("swa_snapshots must be >= 0 and swa_snapshot_ttl_s > 0")
+        if self.synthetic_acceptance is not None:
+            from .verify import SyntheticAcceptance
+            SyntheticAcceptance.parse(self.synthetic_acceptance)
+            if self.load_format != "dummy":
+                raise ValueError("synthetic_acceptance replaces the target's verdict, so a checkpoint's output "
+                                 "would no longer be its own: it is for load_format='dummy' (random weights) only")
 
 
 def pick_device(name: str):

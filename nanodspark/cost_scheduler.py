@@ -21,6 +21,8 @@ c_{r,k+1} through the Markov feature). Two ways, one function each:
       largest *current* survival, ties to the lower position: no cell that depends on x_{r,k}
       can outrank (r, k), so "window_r >= k" is decided before x_{r,k} matters.
       `CostScheduler.budget` is the host's half of a step, `choose_windows` the device's.
+    * plain steps: `CostScheduler.drafting_pays` (given the target's own profile) says when a step
+      without the drafter's pass beats every budget; it verifies nothing, so it is lossless.
 
 Invariants
     * Cells are ordered by survival descending, then position, then request
@@ -35,8 +37,7 @@ Defaults (every function takes them as parameters)
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
                                  (TensorRT-LLM's `confidence_min_predicted_gain`)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
-The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py.
-"""
+The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py."""
 
 from __future__ import annotations
 
@@ -175,14 +176,29 @@ class ConfidenceRelay:
         self.conf = np.ones((depth, max_slots, gamma), dtype=np.float32)
         self.stamp = np.full((depth, max_slots), -1, dtype=np.int64)
         self.generation = np.full((depth, max_slots), -1, dtype=np.int64)
+        # each slot's last drafted confidences, and their running mean over every request
+        self.last = np.ones((max_slots, gamma), dtype=np.float32)
+        self.last_generation = np.full(max_slots, -1, dtype=np.int64)
+        self.mean = np.ones(gamma, dtype=np.float32)
 
-    def push(self, step: int, slot_ids, generation_ids, conf) -> None:
-        """Record conf [R, gamma] (copied to the host) for slots at `step`."""
+    def push(self, step: int, slot_ids, generation_ids, conf, drafted: bool = True) -> None:
+        """Record conf [R, gamma] (copied to the host) for slots at `step`. A plain step
+        (`drafted=False`) has no confidences of its own: each slot carries its last ones forward
+        (a request that never drafted: the running mean), so its budget `lag` steps later still
+        reads what the drafter last said, never a survival of 1.0."""
         row = step % (self.lag + 1)
-        slots = _host_ints(slot_ids)
-        self.conf[row, slots] = _host_floats(conf)
+        slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
+        if drafted:
+            c = _host_floats(conf)
+            self.last[slots], self.last_generation[slots] = c, gens
+            if len(c):
+                self.mean = 0.9 * self.mean + 0.1 * c.mean(0)
+        else:
+            known = self.last_generation[slots] == gens
+            c = np.where(known[:, None], self.last[slots], self.mean)
+        self.conf[row, slots] = c
         self.stamp[row, slots] = step
-        self.generation[row, slots] = _host_ints(generation_ids)
+        self.generation[row, slots] = gens
 
     def lagged(self, slot_ids, generation_ids, step: int) -> torch.Tensor:
         """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
@@ -218,10 +234,12 @@ class CostScheduler:
 
     def __init__(self, gamma: int, max_slots: int, mode: str = "static",
                  cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
-                 min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS):
+                 min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS,
+                 plain_table: CostTable | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
+        self.plain_table = plain_table if plain_table is not None and plain_table.measurements else None
         self.min_gain, self.survival_eps = min_gain, survival_eps
         self.relay = ConfidenceRelay(max_slots, gamma, lag)
         self._can_trim = (cost_table is not None and bool(cost_table.measurements)
@@ -263,7 +281,20 @@ class CostScheduler:
             budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
         return budget, True, float(times[budget if mode == "compact" else full])
 
-    def record(self, step: int, slot_ids, generation_ids, conf) -> None:
+    def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
+        """Compact mode with a plain table (the target alone, `bench profile-plain`): False when a
+        plain step's R / T_plain(R) beats the best speculative step's expected tokens per second
+        (`budget_from_lagged`'s objective, the drafter's pass included) by more than min_gain.
+        The drafter then does not run this step; the lagged survivals decide, as for the budget."""
+        if self.plain_table is None or self.effective_mode() != "compact":
+            return True
+        R = len(slot_ids)
+        lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step)
+        vals = np.sort(np.where(lagged >= self.survival_eps, lagged, 0.0).reshape(-1))[::-1]
+        best = float(np.max((R + np.concatenate([[0.0], np.cumsum(vals)])) / self.cost_table.curve(R, R * self.gamma)))
+        return R / self.plain_table.predict(R, 0) <= (1.0 + self.min_gain) * best
+
+    def record(self, step: int, slot_ids, generation_ids, conf, drafted: bool = True) -> None:
         """Push a step's confidences [R, gamma] into the relay (CostWindows.observe does, once
-        the step's result is on the host)."""
-        self.relay.push(step, slot_ids, generation_ids, conf)
+        the step's result is on the host); a plain step carries the last ones forward."""
+        self.relay.push(step, slot_ids, generation_ids, conf, drafted)

@@ -142,7 +142,9 @@ class LLMEngine:
         mc = self.model_config
         self.tokenizer = Tokenizer(w.model_dir, mc.eos_token_id) if (w.model_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_id)
-        self.model_name = str(model_path or "default")  # the key of this model's cost table
+        # the key of this model's cost table; random weights are named by their shape's directory
+        self.model_name = f"{w.model_dir.name} (random weights)" if cfg.load_format == "dummy" \
+            else str(model_path or "default")
         if self.decode_rows > cfg.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} cannot hold one verify window "
                              f"({self.decode_rows} rows = anchor + gamma drafts)")
@@ -164,7 +166,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
-        w.capture()
+        w.capture(plain_steps=getattr(getattr(self.windows, "scheduler", None), "plain_table", None) is not None)
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler
@@ -175,8 +177,13 @@ class LLMEngine:
             return StaticWindows(self.gamma)
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
+        # the target alone, if the same file holds its profile (`bench profile-plain --out` it):
+        # then compact may run a plain step where drafting does not pay at all
+        plain = CostTable.load(cfg.cost_table, f"{self.model_name} (no drafter)", str(self.dtype),
+                               self.device.type, ()) \
+            if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps else None
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
-                                         lag=cfg.verify_lag, min_gain=cfg.verify_min_gain))
+                                         lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -361,7 +368,7 @@ class LLMEngine:
             self._commit_chunk(r, out)
         seen = result
         if result.decode is not None:
-            applied = self._commit_decode(result.decode, out)
+            applied = self._commit_decode(result.decode, out, result.drafted)
             if applied is not result.decode:
                 seen = dataclasses.replace(result, decode=applied)
         for o in self.observers:
@@ -381,7 +388,7 @@ class LLMEngine:
             return
         out.add(self._apply(req, [r.token]))
 
-    def _commit_decode(self, d: DecodeRows, out: StepOutputs) -> DecodeRows:
+    def _commit_decode(self, d: DecodeRows, out: StepOutputs, drafted: bool = True) -> DecodeRows:
         """Commit every decode row with array operations; returns the rows applied (`d` itself when
         all were: no copy). A request's object is touched only if it finishes, needs its text, or
         crosses a KV block."""
@@ -401,7 +408,7 @@ class LLMEngine:
         before = b.num_computed[s]
         end = before + count
         b.num_computed[s] = end
-        self._count(s, o)
+        self._count(s, o, drafted)
         # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
         # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
         n_out = b.out_len[s]        # limit_len - prompt_len = min(max_tokens, max_model_len - prompt_len)
@@ -437,13 +444,13 @@ class LLMEngine:
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, slots: np.ndarray, o) -> None:
+    def _count(self, slots: np.ndarray, o, drafted: bool = True) -> None:
         """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
         mode, count = self.verify_mode, o.count
         add = np.empty((len(slots), self.batch.spec.shape[1]), dtype=np.int64)
-        add[:, 0], add[:, 1] = 1, self.gamma                                  # steps, drafted
+        add[:, 0], add[:, 1] = 1, self.gamma if drafted else 0                # steps, drafted
         add[:, 2] = np.minimum(o.windows, o.verified) if mode.trims else o.verified
         add[:, 3], add[:, 4] = count - 1, count                               # accepted, committed
         add[:, 5] = o.ceiling + 1 if mode.reports_ceiling else 0

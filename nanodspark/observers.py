@@ -101,8 +101,8 @@ class SpecMetrics:
         """After the engine applied `result`: settle now what needs the batch as it is now (a
         trimmed step's pending drafts and chains) and keep the rest, plain records too, for `flush`."""
         d = result.decode
-        if d is None or not len(d.slots) or not self.gamma:
-            return
+        if d is None or not len(d.slots) or not self.gamma or not getattr(result, "drafted", True):
+            return                           # (a plain step drafted nothing to label)
         acc, win = self._labels(d.out)
         if self.mode.trims:
             if self.pending.any():

@@ -131,9 +131,10 @@ class StaticInputs:
 class RaggedGraphs:
     """Captures the decode step per (tier, variant) and replays it.
 
-    `step_fn(batch, tokens, greedy_only, truncates) -> (ints, floats)` is the decode step on the
-    static inputs' `DecodeBatch`, returning its packed outputs (`DecodeOut.pack`); the variant (greedy_only, truncates) selects
-    the sampling code the graph holds (argmax only; full sampling; with the top-k/top-p sort)."""
+    `step_fn(batch, tokens, *variant) -> (ints, floats)` is the decode step on the static inputs'
+    `DecodeBatch`, returning its packed outputs (`DecodeOut.pack`); the variant (greedy_only,
+    truncates[, draft]) selects the sampling code the graph holds (argmax only; full sampling;
+    with the top-k/top-p sort) and, with a third entry False, a plain step without the drafter."""
 
     def __init__(self, step_fn, inputs: StaticInputs, tiers: list[tuple[int, int]], device, use_graphs: bool,
                  scratch: int):
@@ -144,12 +145,12 @@ class RaggedGraphs:
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
-    def capture(self, variants, progress: bool = True) -> None:
-        """Capture every tier for each variant, largest first, into one memory pool."""
+    def capture(self, variants, progress: bool = True, tiers=None) -> None:
+        """Capture every tier (or `tiers`) for each variant, largest first, into one memory pool."""
         if not self.use_graphs:
             return
         from tqdm.auto import tqdm
-        keys = [(t, v) for v in variants for t in sorted(self.tiers, reverse=True)]
+        keys = [(t, v) for v in variants for t in sorted(self.tiers if tiers is None else tiers, reverse=True)]
         t0 = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         self.pool = self.pool or torch.cuda.graph_pool_handle()

@@ -35,6 +35,7 @@ GREEDY_BELOW = 1e-5          # temperatures below this sample greedily
 _M32 = 0xFFFFFFFF
 # Streams of independent draws at one position (see verify.py and drafter.py).
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2, 3, 4
+STREAM_SYNTHETIC = 5       # a benchmark's stand-in acceptance (verify.SyntheticAcceptance)
 
 
 @dataclass

@@ -8,7 +8,9 @@ packed into one ragged batch (ragged_graphs.py), the target scores it, `verify.v
 accepts a prefix of each window and adds the correction or bonus token, the state advances to
 the new anchor, and the target features of the committed positions are injected into the
 drafter's context cache. The step returns `DecodeOut` (device tensors); the engine copies it to
-the host once and applies it. Plain decoding is the same step with gamma = 0 and no drafter.
+the host once and applies it. Plain decoding is the same step with gamma = 0 and no drafter; a
+plain step of a speculative engine (`draft=False`, cost_scheduler.py) skips the drafter's pass
+and verifies no draft, but still injects the anchors' features, so the drafter can resume.
 
 Because nothing in here reads a device value on the host, the whole step can be captured in a
 CUDA graph (ragged_graphs.py) and the next step can be launched before this one's result has
@@ -99,9 +101,11 @@ class SpecStep:
         self.gamma = drafter.config.gamma if drafter is not None else 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.coupled = False            # coupled drafts and verification (verify.verify_batch)
+        self.synthetic = None           # a benchmark's acceptance law on random weights (verify.SyntheticAcceptance)
 
     @torch.inference_mode()
-    def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool) -> DecodeOut:
+    def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool,
+                 draft: bool = True) -> DecodeOut:
         st, g, R = self.state, self.gamma, b.slots.shape[0]
         dev = b.slots.device
         anchors, anchor_pos = st.last_token[b.slots], st.seq_len[b.slots]
@@ -112,13 +116,23 @@ class SpecStep:
         if self.drafter is None:
             drafts = torch.zeros(R, 0, dtype=torch.long, device=dev)
             draft_probs, conf, conf_logits = None, torch.zeros(R, 0, device=dev), torch.zeros(R, 0, device=dev)
+        elif not draft:                  # a plain step: no drafter pass, no window (the features are injected)
+            drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+            draft_probs, conf, conf_logits = None, torch.zeros(R, g, device=dev), torch.zeros(R, g, device=dev)
         else:
             d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
                                      self.block_size, samp, self.ops, STREAM_TARGET if self.coupled else STREAM_DRAFT)
             drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
+            if self.synthetic is not None:          # the law's rate is each draft's calibrated confidence
+                conf = self.synthetic.rates(st.seed[b.slots])[:, None].expand(R, g).contiguous()
+                conf_logits = torch.logit(conf)
         # choose windows
         windows = choose_windows(conf, active, b.budget, b.trim != 0, b.window_cap)
+        if not draft:
+            windows = torch.zeros_like(windows)
         verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
+        if not draft:
+            verified = torch.zeros_like(verified)
         cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
         rows = torch.where(active, 1 + verified, 0)
         # verify: one ragged forward of [anchor, d_1 .. d_verified] per request
@@ -135,15 +149,23 @@ class SpecStep:
             kv_index = row_cache_index(bt, lay.row_req, pos, self.block_size)
             groups[name] = GroupMeta(bt, torch.where(lay.row_valid, kv_index, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
-        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g, groups, self.ops, tp=self.tp)
+        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g if draft else 1, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
         logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
         # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
         finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
-        verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
-                               anchor_pos, verified, cap, greedy_only, self.coupled)
+        if not draft:                    # the anchor row only: the target's token, padded to the block
+            v = verify_batch(drafts[:, :0], None, logits, row_index[:, :1].clamp(0, tokens_tier - 1), samp,
+                             anchor_pos, verified, cap, greedy_only, self.coupled)
+            verdict = dataclasses.replace(v, tokens=torch.cat([v.tokens, drafts], 1))
+        elif self.synthetic is not None and g:
+            verdict = self.synthetic.verdict(drafts, logits, row_index.clamp(0, tokens_tier - 1), st.seed[b.slots],
+                                             anchor_pos, verified, cap)
+        else:
+            verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
+                                   anchor_pos, verified, cap, greedy_only, self.coupled)
         # accept: the new anchor and length, on the device
         count = torch.where(active, verdict.accepted + 1, 0)
         bonus = verdict.tokens.gather(1, verdict.accepted[:, None])[:, 0]

@@ -36,6 +36,7 @@ class WindowPlan:
     trim: bool                        # choose windows by survival under the budget
     window_cap: np.ndarray | None = None   # most drafts per request (None: gamma for every request)
     predicted_step_time: float = float("nan")
+    draft: bool = True                # False: a plain step (no drafter pass; its features still injected)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class StepResult:
     predicted_step_time: float = float("nan")
     seconds: float = 0.0              # launch to result, host clock
     tier: tuple[int, int] | None = None   # the graph tier replayed (None: eager or no decode)
+    drafted: bool = True              # False: a plain step, whose confidences are not the drafter's
 
 
 class StepHandle:
@@ -125,7 +127,7 @@ class StepHandle:
             decode = DecodeRows(plan.decode_slots, plan.decode_generations, out)
         wp = plan.windows
         return StepResult(prefill, decode, self.step, wp.predicted_step_time if wp else float("nan"),
-                          time.perf_counter() - self.t0, self.tier)
+                          time.perf_counter() - self.t0, self.tier, wp.draft if wp else True)
 
 
 class Executor:
@@ -138,18 +140,22 @@ class Executor:
         self.inputs = StaticInputs(max_slots, device, DecodeBatch)
         self.tiers = tier_list(batch_sizes, self.gamma, token_fractions if spec.mode.trims else (1.0,),
                                max_slots=max_slots)
+        # plain steps of a trimming mode (the scheduler skips the drafter): one row per request
+        self.plain_tiers = tier_list(batch_sizes, 0, max_slots=max_slots) if spec.mode.trims and self.gamma else []
         self.graphs = RaggedGraphs(self._decode, self.inputs, self.tiers, device, cuda_graphs, scratch)
         self.steps = 0
         self.cuda = torch.device(device).type == "cuda"
         self.no_samples = torch.zeros(0, dtype=torch.long, device=device)     # a step without prefill
         self._tier_of: dict[tuple[int, int], tuple[int, int]] = {}           # (requests, tokens) -> tier
 
-    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool):
-        return self.spec(batch, tokens, greedy_only, truncates).pack()
+    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool, draft: bool = True):
+        return self.spec(batch, tokens, greedy_only, truncates, draft).pack()
 
     def tokens_needed(self, plan: StepPlan) -> int:
         """Verify rows of the decode batch, an upper bound known on the host."""
         g, w, R = self.gamma, plan.windows, len(plan.decode_slots)
+        if not w.draft:
+            return R
         if not self.spec.mode.verifies_window:
             return R * (1 + g)
         drafts = int(np.minimum(w.window_cap, g).sum()) if w.window_cap is not None else R * g
@@ -164,11 +170,13 @@ class Executor:
         R = len(plan.decode_slots)
         if R:
             w, need = plan.windows, (R, self.tokens_needed(plan))
-            tier = self._tier_of.get(need)
+            variant = (plan.greedy_only, plan.truncates) if w.draft else (plan.greedy_only, plan.truncates, False)
+            tier = self._tier_of.get((need, w.draft))
             if tier is None:                  # the tiers are fixed: a pair always picks the same one
-                tier = self._tier_of[need] = pick_tier(self.tiers, *need) or need
+                tier = self._tier_of[(need, w.draft)] = \
+                    pick_tier(self.tiers if w.draft else self.plain_tiers, *need) or need
             self.inputs.write(plan.decode_slots, self.scratch, tier[0], w.window_cap, self.gamma, w.budget, w.trim)
-            decode = self.graphs.run(tier, (plan.greedy_only, plan.truncates))
+            decode = self.graphs.run(tier, variant)
         if sampled is None:
             sampled = self.no_samples
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in (sampled, *decode)]
@@ -178,5 +186,5 @@ class Executor:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        graphed = tier is not None and self.graphs.captured(tier, (plan.greedy_only, plan.truncates))
+        graphed = tier is not None and self.graphs.captured(tier, variant)
         return StepHandle(plan, step, self.gamma, host[0], tuple(host[1:]), event, t0, tier if graphed else None)

@@ -31,16 +31,22 @@ The engine verifies a whole batch at once on the device (`verify_batch`, with ke
 sampling.py); `verify_greedy` / `verify_block` / `accept_sampling` are the same rules for one
 request on host values, the textbook form the tests check against. What a full-block verify
 would have accepted under trimming is estimated by observers.py (`BlockAcceptEstimator`).
+
+`SyntheticAcceptance` is not verification: for benchmarks on random weights, whose drafts are
+never accepted, it stands in for a trained drafter with a known acceptance law, so that a step
+costs what it would at paper scale while the engine's scheduling, windows and verify rows are the
+real ones. The engine refuses it with real weights (config.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 
-from .sampling import (GREEDY_BELOW, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, SamplingTensors,
-                       gumbel_argmax, probs_from_logits, uniforms)
+from .sampling import (GREEDY_BELOW, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SYNTHETIC, STREAM_TARGET,
+                       SamplingTensors, gumbel_argmax, probs_from_logits, uniforms)
 
 
 class VerifyMode(Enum):
@@ -255,3 +261,54 @@ def _verdict(drafts, m, m_full, nxt) -> BatchVerdict:
     tokens[:, :g] = drafts
     tokens.scatter_(1, m[:, None], nxt[:, None])
     return BatchVerdict(torch.where(k <= m[:, None], tokens, 0), m, m_full)
+
+
+@dataclass(frozen=True)
+class SyntheticAcceptance:
+    """A benchmark's acceptance law (`EngineConfig.synthetic_acceptance = "LO:HI"`), random weights only.
+
+    Each request gets its own rate `alpha`, uniform in [lo, hi] from its seed; every draft in its
+    window survives with probability `alpha` given the ones before it (keyed noise, fresh per
+    step), so a full block commits `(1 - alpha^(gamma+1)) / (1 - alpha)` tokens on average. The
+    drafter still runs (its cost is real) and its confidences are replaced by `alpha`, which makes
+    them calibrated. Committed tokens are the accepted drafts and then the target's argmax: a
+    sequence whose KV matches its tokens, but not the target's output."""
+    lo: float
+    hi: float
+
+    @classmethod
+    def parse(cls, spec: str) -> "SyntheticAcceptance":
+        try:
+            lo, hi = (float(x) for x in str(spec).split(":"))
+        except ValueError:
+            raise ValueError(f"synthetic_acceptance must be 'LO:HI' (two rates), not {spec!r}") from None
+        if not 0 <= lo <= hi < 1:
+            raise ValueError(f"synthetic_acceptance {spec!r}: need 0 <= LO <= HI < 1")
+        return cls(lo, hi)
+
+    def rates(self, seed: torch.Tensor) -> torch.Tensor:
+        """alpha per request [R] (float32), a function of its seed alone."""
+        u = uniforms(seed, torch.zeros_like(seed), STREAM_SYNTHETIC)
+        return self.lo + (self.hi - self.lo) * u
+
+    def expected_tau(self, gamma: int) -> float:
+        """Tokens a full block commits per verify step, over the steps of requests of one length:
+        a request of rate alpha takes 1 / tau(alpha) steps per token, so the mean over steps is
+        the harmonic mean of tau(alpha) over the rates (below the mean over requests)."""
+        a = np.linspace(self.lo, self.hi, 4097)
+        tau = (1 - a ** (gamma + 1)) / (1 - a)
+        return float(1 / np.mean(1 / tau))
+
+    def verdict(self, drafts: torch.Tensor, logits: torch.Tensor, row_index: torch.Tensor, seed: torch.Tensor,
+                anchor_pos: torch.Tensor, verified: torch.Tensor, cap: torch.Tensor) -> BatchVerdict:
+        """`verify_batch`'s result under this law: draft k accepted iff its uniform < alpha (inside
+        the window); the next token is the target's argmax after the accepted drafts."""
+        R, g = drafts.shape
+        k = torch.arange(g, device=drafts.device)
+        pos = (anchor_pos[:, None] + 1 + k).reshape(-1)                  # each draft's position
+        u = uniforms(seed.repeat_interleave(g), pos, STREAM_SYNTHETIC, anchor_pos.repeat_interleave(g)).reshape(R, g)
+        ok = (u < self.rates(seed)[:, None]) & (k[None, :] < verified[:, None])
+        m_full = ok.long().cumprod(1).sum(1)
+        m = torch.minimum(m_full, cap)
+        nxt = logits.argmax(-1)[row_index].gather(1, m[:, None])[:, 0]
+        return _verdict(drafts, m, m_full, nxt)

@@ -7,7 +7,8 @@ learns from results is also an observer: `observe` sees each step's applied rows
 
 * `StaticWindows`: full blocks for everyone (verify_mode static, or no cost table).
 * `CostWindows`: the cost scheduler (cost_scheduler.py): a budget from confidences `lag` steps
-  old, pushed into its relay here as each step is committed.
+  old, pushed into its relay here as each step is committed; with a plain step-cost table, a
+  plain step (no drafter pass) where drafting does not pay at all.
 * `ForcedWindows`: windows chosen by a function of the requests (tests and the step-cost
   profile; never built by the engine itself).
 
@@ -43,12 +44,15 @@ class CostWindows(WindowPolicy):
 
     def plan(self, rows: DecodeRows, step: int) -> WindowPlan:
         budget, trim, predicted = self.scheduler.budget(rows.slots, rows.generations, step)
+        if trim and not self.scheduler.drafting_pays(rows.slots, rows.generations, step):
+            R = len(rows.slots)                 # a plain step: no drafter, no window
+            return WindowPlan(0, True, None, self.scheduler.plain_table.predict(R, 0), draft=False)
         return WindowPlan(budget, trim, None, predicted)
 
     def observe(self, result) -> None:
         d = result.decode
         if d is not None and len(d.slots):
-            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf)
+            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, result.drafted)
 
 
 class ForcedWindows(WindowPolicy):

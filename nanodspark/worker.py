@@ -85,16 +85,24 @@ class Worker:
         spec = SpecStep(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, self.verify_mode,
                         drafter, self.draft_cache, tp=tp)
         spec.coupled = cfg.coupled_sampling
+        if cfg.synthetic_acceptance is not None:
+            from .verify import SyntheticAcceptance
+            spec.synthetic = SyntheticAcceptance.parse(cfg.synthetic_acceptance)
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions)
 
-    def capture(self) -> None:
-        """Tune the skinny GEMMs, then capture the decode step's graphs (CUDA only)."""
+    def capture(self, plain_steps: bool = False) -> None:
+        """Tune the skinny GEMMs, then capture the decode step's graphs (CUDA only); with
+        `plain_steps` also the plain step (no drafter pass) at one row per request."""
         if self.device.type == "cuda" and self.backend == "triton":
             self._tune_gemms()
-        if self.executor.graphs.use_graphs:
-            self.executor.graphs.capture([(True, False), (False, False)], progress=self.config.use_tqdm)
+        g = self.executor.graphs
+        if g.use_graphs:
+            g.capture([(True, False), (False, False)], progress=self.config.use_tqdm)
+            if plain_steps and self.executor.plain_tiers:
+                g.capture([(True, False, False), (False, False, False)], progress=self.config.use_tqdm,
+                          tiers=self.executor.plain_tiers)
 
     def _tune_gemms(self) -> None:
         """Record the GEMM shapes of every decode tier and let the skinny kernel take those it

@@ -341,3 +341,29 @@ def test_the_speedup_figure_draws_measured_and_predicted_apart(tmp_path):
                                      "compact, 8B (predicted)", "no speculation"])
     with pytest.raises(ValueError, match="no curve"):
         speedup_figure([{"sweep": []}], [], str(tmp_path / "g.png"))
+
+
+def test_a_shape_with_random_weights_runs_the_sweep_under_a_synthetic_law(tmp_path):
+    """`--shape` builds random weights in-process, keyed as `bench profile` keys their table, and
+    `--synthetic-acceptance` gives the drafts a law: compact, reading a steep table, verifies
+    fewer drafts than static. Without --shape the law is refused (it would change real output)."""
+    from nanodspark.cost_table import CostTable
+    from nanodspark.lab.bench import build_parser
+    CostTable({(b, k): 0.01 + 0.01 * k for b in (1, 2, 4) for k in range(0, 7 * b + 1)},
+              model_name="tiny-dense (random weights)", dtype="torch.float32", device="cpu").save(tmp_path / "c.json")
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "serve", "--shape", "tiny-dense", "--synthetic-acceptance", "0.3:0.95", "--systems", "static", "compact",
+        "--cost-table", str(tmp_path / "c.json"), "--concurrency", "4", "--prompts", "8", "--prompt-tokens", "24",
+        "--output-len", "24", "--warmup-s", "0", "--warmup-round-s", "0", "--num-requests", "8", "--kv-gb", "0.05",
+        "--out", str(out)])
+    bsv.serve_bench(args)
+    saved = json.loads(out.read_text())
+    assert saved["random_weights"] == {"shape": "tiny-dense", "synthetic_acceptance": "0.3:0.95"}
+    assert saved["systems"]["static"]["load_format"] == "dummy"
+    acc = {r["mode"]: r["accounting"] for r in saved["runs"]}
+    per_step = {m: a["verify_rows"] / a["decode_request_steps"] for m, a in acc.items()}
+    assert per_step["compact"] < per_step["static"] and all(r["errors"] == 0 for r in saved["runs"])
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        bsv.serve_bench(build_parser().parse_args(["serve", "--systems", "static", "--synthetic-acceptance",
+                                                   "0.5:0.6", "--concurrency", "1", "--kv-gb", "0.05"]))

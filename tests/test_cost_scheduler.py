@@ -479,3 +479,31 @@ def test_ceiling_sliding_window_and_wilson():
     lo, hi = wilson_interval(8, 10)
     assert 0.44 < lo < 0.5 and 0.94 < hi < 0.97
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_plain_step_carries_each_requests_last_confidences_forward():
+    """A plain step has no confidences: the relay pushes each slot's last drafted ones (a slot that
+    never drafted: the running mean), so the budget `lag` steps later never reads survival 1.0
+    for a request the drafter has seen, and a recycled slot does not inherit its old request's."""
+    relay = ConfidenceRelay(max_slots=4, gamma=2, lag=2)
+    relay.push(0, [0, 1], [5, 6], np.array([[0.5, 0.5], [0.9, 0.8]], dtype=np.float32))
+    relay.push(1, [0, 1, 2], [5, 7, 9], np.zeros((3, 2), np.float32), drafted=False)
+    got = relay.lagged_np([0, 1, 2], [5, 7, 9], step=3)
+    assert np.allclose(got[0], [0.5, 0.25])                      # its own last confidences, carried
+    mean = 0.9 * 1.0 + 0.1 * np.array([0.7, 0.65])               # slot 1 holds another generation now
+    assert np.allclose(got[1], np.cumprod(mean)) and np.allclose(got[2], np.cumprod(mean))
+
+
+def test_drafting_pays_only_where_the_plain_step_does_not_win():
+    """Compact with a plain profile: a plain step when R / T_plain beats the best speculative
+    step (drafter included) by more than min_gain; otherwise draft. Without a plain table, always draft."""
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    cheap = CostTable({(b, 0): 1e-3 for b in (1, 8)})
+    dear = CostTable({(b, 0): 2.5e-3 for b in (1, 8)})
+    for plain, survival, pays in ((cheap, 0.5, False), (cheap, 0.99, False), (dear, 0.9, True), (dear, 0.01, False),
+                                  (None, 0.01, True)):
+        s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=plain)
+        s.record(0, range(8), range(8), np.full((8, 4), survival, np.float32))
+        assert s.drafting_pays(range(8), range(8), step=2) is pays, (plain is cheap, survival)
+    static = CostScheduler(4, 8, mode="static", cost_table=spec, plain_table=cheap)
+    assert static.drafting_pays(range(8), range(8), step=2)

@@ -299,3 +299,80 @@ def test_coupled_sampling_follows_target_distribution(tmp_path):
     assert chi2 < 190, chi2
     acc = acceptance(outs)
     assert 0.02 < acc < 0.98, acc
+
+
+class AlternatePlain:
+    """A window policy that drafts full blocks on even steps and runs plain steps (no drafter
+    pass) on odd ones: the drafter must resume from a context the plain steps kept whole."""
+
+    def __init__(self, gamma):
+        self.gamma = gamma
+
+    def plan(self, rows, step):
+        from nanodspark.step import WindowPlan
+        return WindowPlan(len(rows.slots) * self.gamma, False, draft=step % 2 == 0)
+
+    def observe(self, result):
+        pass
+
+
+def _draft_context(llm, prompt, n):
+    """Greedy output of one request, and the drafter's context K/V at its committed positions."""
+    eng, seen = llm.engine, {}
+
+    class Blocks:
+        def observe(self, result):
+            for r in eng.scheduler.running:
+                seen["blocks"] = list(r.tables["draft"].blocks)
+    eng.extra_observers.append(Blocks())
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    bs, L = eng.config.block_size, len(prompt) + n - 1           # the last token never reached the target
+    pos = torch.arange(L)
+    blocks = torch.tensor(seen["blocks"])[pos // bs]
+    return out, eng.worker.draft_cache[:, :, blocks, pos % bs].float()
+
+
+def test_plain_steps_keep_output_and_the_drafters_context(tiny_dir, drafter_dir):
+    """Plain steps between drafting steps: greedy output equals target-only decoding, and the
+    drafter's context cache holds the same K/V at every committed position as an engine that
+    drafted every step (a plain step injects its anchor row's features)."""
+    prompt, n = prompts(1, 200, seed=3)[0], 40
+    want = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path="none").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    kw = dict(use_tqdm=False, **EXACT, **ORACLE, drafter_path=str(drafter_dir), enable_prefix_cache=False)
+    every = LLM(str(tiny_dir), **kw)
+    out_a, ctx_a = _draft_context(every, prompt, n)
+    mixed = LLM(str(tiny_dir), **kw)
+    mixed.engine.windows = AlternatePlain(mixed.engine.gamma)
+    out_b, ctx_b = _draft_context(mixed, prompt, n)
+    assert out_a == out_b == want
+    assert torch.allclose(ctx_a, ctx_b, atol=1e-4), (ctx_a - ctx_b).abs().max()
+    check_no_leak(mixed)
+
+
+@pytest.mark.parametrize("plain_ms, plain_steps", [(0.01, True), (100.0, False)], ids=["plain-cheap", "plain-dear"])
+def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp_path, plain_ms, plain_steps):
+    """With the target's own profile in the cost file, compact runs plain steps where a plain
+    step beats drafting (a cheap target) and never where it does not (a dear one); greedy output
+    is target-only's either way, and the drafted counts say what ran."""
+    from nanodspark.cost_table import CostTable
+    path = tmp_path / "cost.json"
+    steep_cost_table(tiny_dir, path)
+    CostTable({(b, 0): 1e-3 * plain_ms for b in (1, 8, 64, 512)}, model_name=f"{tiny_dir} (no drafter)",
+              dtype=str(torch.float32), device=ENGINE_DEVICE).save(path)
+    ps = prompts(6, 200, seed=5)
+    llm = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path=str(drafter_dir), verify_mode="compact",
+              cost_table=str(path), enable_prefix_cache=False)
+    assert llm.engine.windows.scheduler.plain_table is not None
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    base = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path="none")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base.generate(
+        ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    drafted = sum(o.spec["drafted"] for o in outs)
+    steps = sum(o.spec["steps"] for o in outs)
+    g = llm.engine.gamma
+    if plain_steps:
+        assert drafted < steps * g and all(o.spec["verified"] <= o.spec["drafted"] for o in outs)
+    else:
+        assert drafted == steps * g
+    check_no_leak(llm)

@@ -293,7 +293,6 @@ def build_profiled_llm(args, drafter: bool, **engine_kwargs):
             # replay among the default ones (they are default tiers), with far fewer captures
             kw.update(load_format="dummy", max_model_len=max_model_len,
                       graph_batch_sizes=tuple(sorted(set(args.batch_sizes))))
-            model_name = f"{shape} (random weights)"
             banner = f"; RANDOM WEIGHTS ({shape})"
             print(f"RANDOM WEIGHTS, shape {describe(shape)}" if drafter else
                   f"RANDOM WEIGHTS, shape {describe(shape).split('; drafter')[0]} (no drafter)")
@@ -303,7 +302,7 @@ def build_profiled_llm(args, drafter: bool, **engine_kwargs):
             gamma = (json.loads(dfile.read_text()).get("gamma", DSPARK_GAMMA) if dfile.exists() else DSPARK_GAMMA) \
                 if drafter else 0
             max_model_len = ModelConfig.from_json(model_dir).max_position_embeddings
-            model_name, banner = str(args.model or "default"), ""
+            banner = ""
         need = kv_blocks_needed(bs_max, context, gamma, block_size)
         one = -(-(max_model_len + 1 + gamma) // block_size) + 1      # one request at the context limit
         if kv_gb:
@@ -312,6 +311,7 @@ def build_profiled_llm(args, drafter: bool, **engine_kwargs):
             kw["num_kv_blocks"] = max(int(need * KV_MARGIN) + 1, one)
         llm = LLM(str(model_dir) if shape is not None else args.model, **kw)
     eng = llm.engine
+    model_name = eng.model_name               # the key the engine looks its cost table up by
     have = eng.worker.num_blocks
     if have < need:
         per_block = kv_bytes(eng) / have

@@ -51,6 +51,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -70,11 +71,13 @@ SYSTEMS = {
     "compact": ({"verify_mode": "compact"}, ["--verify-mode", "compact"], True),
     "compact-no-trim": ({"verify_mode": "compact", "verify_min_gain": 1e9},
                         ["--verify-mode", "compact", "--verify-min-gain", "1e9"], True),
+    "compact-no-plain": ({"verify_mode": "compact", "verify_plain_steps": False},
+                         ["--verify-mode", "compact", "--no-verify-plain-steps"], True),
     "static-b": ({"verify_mode": "static"}, ["--verify-mode", "static"], False),   # the A/A control
 }
 # paired ratios reported per concurrency: (numerator, denominator)
 PAIRS = (("static", "no-spec"), ("compact", "no-spec"), ("compact", "static"), ("static-b", "static"),
-         ("compact-no-trim", "static"))
+         ("compact-no-trim", "static"), ("compact-no-plain", "no-spec"), ("compact", "compact-no-plain"))
 
 
 # ----------------------------------------------------------------------------- the work
@@ -555,10 +558,17 @@ def engine_config(args, system: str) -> dict:
               kv_cache_memory_gb=args.kv_gb, enable_prefix_cache=args.prefix_cache,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_waiting_steps=getattr(args, "max_waiting_steps", "auto"))
+    if getattr(args, "shape", None):          # random weights; room for the longest request, no more
+        # graph tiers at the measured concurrencies only, as `bench profile --shape` captures them:
+        # at paper scale each capture costs seconds, and a closed loop's batch stays near C
+        kw.update(load_format="dummy", graph_batch_sizes=tuple(sorted(set(args.concurrency))),
+                  max_model_len=args.prompt_tokens + int(args.output_len * (1 + args.output_spread)) + 64)
     if system != "no-spec":
         kw["cost_table"] = args.cost_table
         if args.drafter:
             kw["drafter_path"] = args.drafter
+        if getattr(args, "synthetic_acceptance", None):
+            kw["synthetic_acceptance"] = args.synthetic_acceptance
     return kw
 
 
@@ -685,6 +695,15 @@ def serve_bench(args) -> dict:
         raise SystemExit("--url measures one running server: give one --systems name (its label)")
     if args.frontend == "http" and not (args.url or args.spawn or args.serve_cmd):
         raise SystemExit("--frontend http needs --url (a running server), --spawn or --serve-cmd")
+    shape_dir = None
+    if getattr(args, "shape", None):          # a paper-scale shape with random weights (lab/shapes.py)
+        from .shapes import describe, materialize
+        if args.frontend != "engine" or args.model:
+            raise SystemExit("--shape builds random weights in-process: the engine front end, without --model")
+        shape_dir = tempfile.TemporaryDirectory(prefix="nanodspark-shape-")
+        args = argparse_namespace(args, model=str(materialize(args.shape, Path(shape_dir.name) / args.shape)))
+        print(f"RANDOM WEIGHTS, shape {describe(args.shape)}"
+              + (f"; synthetic acceptance {args.synthetic_acceptance}" if args.synthetic_acceptance else ""))
     tok = Tokenizer(resolve_model_dir(args.model))
     works = {wl: make_workload(tok, wl, args.prompts, args.prompt_tokens, args.output_len, args.output_spread,
                                args.seed, args.data_dir) for wl in args.workloads}
@@ -696,6 +715,8 @@ def serve_bench(args) -> dict:
                               "itl": "gap between two streamed chunks (a verify step may bring several tokens)"},
               "systems": {s: SYSTEMS[s][1] if args.frontend == "http" else engine_config(args, s) for s in systems},
               "runs": [], "partial": True, "stopped": None}
+    if shape_dir is not None:
+        result["random_weights"] = {"shape": args.shape, "synthetic_acceptance": args.synthetic_acceptance}
     t_start = time.monotonic()
     try:
         with _backends(args, systems) as backends:
@@ -720,7 +741,8 @@ def serve_bench(args) -> dict:
                 row = {"mode": s, "workload": wl, "concurrency": c, "repeat": rep,
                        **summarize(_run(args, backends[s], s, works[wl], c, rec), args.percentiles)}
                 if rec is not None:
-                    meta = {"system": s, "concurrency": c, "workload": wl, "model": args.model or "default"}
+                    meta = {"system": s, "concurrency": c, "workload": wl,
+                            "model": backends[s].engine.model_name}
                     print(f"  traces: {rec.traces(meta).save(Path(args.record_traces) / f'{s}_{wl}_c{c}.npz')}")
                 result["runs"].append(row)
                 print(f"{s:>16} {wl:>6} c={c:<4} total {row['total_tok_s']:>10,.1f} tok/s  per-user "
@@ -735,6 +757,8 @@ def serve_bench(args) -> dict:
                     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     finally:
         gc.unfreeze()      # what the sweep froze may be collected again
+        if shape_dir is not None:
+            shape_dir.cleanup()
     runs = result["runs"]
     result.update(sweep=median_rows(runs), paired=paired_ratios(runs), partial=False)
     result["paired_compact_over_static"] = legacy_paired(result["paired"])
@@ -844,6 +868,13 @@ def add_serve_args(p, dspark: bool = False) -> None:
                    help="http: seconds before one request counts as an error")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the output lengths")
+    from .shapes import SHAPES
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="engine front end: a model shape with random weights "
+                   "(lab/shapes.py: qwen3-8b, qwen3-30b-a3b) instead of a checkpoint; its drafts are never "
+                   "accepted unless --synthetic-acceptance says how")
+    p.add_argument("--synthetic-acceptance", default=None, metavar="LO:HI",
+                   help="with --shape: each request accepts a draft with its own rate, uniform in [LO, HI] "
+                        "(EngineConfig.synthetic_acceptance; output is not the target's)")
 
 
 def add_dspark_args(p) -> None:

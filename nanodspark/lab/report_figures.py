@@ -68,19 +68,21 @@ def _prediction(name: str, key: str, shape: str) -> Figure:
                   [{"c": c} for c in (1, 16, 64, 128, 256)])
 
 
-def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False) -> Figure:
+def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False,
+                     concurrencies=(1, 16, 64, 256), held_out_head: str = "error, fitted without this concurrency"
+                     ) -> Figure:
     """`bench simulate --compare` at each concurrency: measured against predicted total tok/s
     (`held_out`: also predicted with the overheads fitted on the other concurrencies only)."""
-    files = {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in (1, 16, 64, 256)}
+    files = {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in concurrencies}
     head = ["concurrency", "system", "measured tok/s", "predicted tok/s", "error"]
     row = ["{c}", "{m}", "<c{c}:compare[mode={m}].measured_total|,.0f>", "<c{c}:compare[mode={m}].predicted_total|,.0f>",
            "<c{c}:compare[mode={m}].total_error * 100|+.1f> %"]
     if held_out:
-        files.update({f"h{c}": f"benchmarks/simulator_loo_{pair}_c{c}.json" for c in (1, 16, 64, 256)})
-        head += ["error, fitted without this concurrency"]
+        files.update({f"h{c}": f"benchmarks/simulator_loo_{pair}_c{c}.json" for c in concurrencies})
+        head += [held_out_head]
         row += ["<h{c}:compare[mode={m}].total_error * 100|+.1f> %"]
     return Figure(name, files, hardware, head, [row],
-                  [{"c": c, "m": m} for c in (1, 16, 64, 256) for m in ("no-spec", "static", "compact")])
+                  [{"c": c, "m": m} for c in concurrencies for m in ("no-spec", "static", "compact")])
 
 
 FIGURES = [
@@ -298,7 +300,8 @@ FIGURES = [
 
     _profile("cost-profile-8b", "benchmarks/cost_table_qwen3_8b_random_h200.json", 7,
              H200 + "; Qwen3-8B shape with random weights (`load_format=\"dummy\"`) and a 5-layer drafter of "
-                    "block 7, whole synchronous steps with CUDA graphs, context 256, mix prompts, 2 rounds"),
+                    "block 7, whole steps with CUDA graphs timed in the overlapped loop, context 256, mix prompts, "
+                    "1 round", trend=False),
 
     _profile("cost-profile-30b", "benchmarks/cost_table_qwen3_30b_a3b_random_h200.json", 7,
              H200 + "; Qwen3-30B-A3B shape (48 layers, 128 experts, top-8) with random weights and a 5-layer "
@@ -328,6 +331,69 @@ FIGURES = [
              "<runs[{i}].results[pos=3,kind=cond].p|.2f>"]],
            [{"i": 0, "mode": "cap-accept", "prompt": "story"}, {"i": 1, "mode": "compact", "prompt": "story"},
             {"i": 2, "mode": "target only", "prompt": "story"}, {"i": 3, "mode": "cap-accept", "prompt": "code"}]),
+
+    Figure("thesis-8b", {"s": "benchmarks/steady_state_qwen3_8b_law0.475-0.97_h200.json"},
+           H200 + "; the Qwen3-8B shape with RANDOM WEIGHTS and DSpark's default drafter (5 layers, block 7), its "
+           "drafts accepted by a synthetic law (each request's rate uniform in 0.475–0.97; not the target's output), "
+           "in-process, closed loop, mix prompts cut to 128 tokens, 96 ± 25 % new tokens, greedy, prefix cache "
+           "off, admission in waves, compact on the profiles above (the drafter's and the target's own, one file), "
+           "one 5 s window per engine after 2 s, one round",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "drafts verified per request-step, static · compact",
+            "tokens per request-step, static · compact"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
+                          for m in ("static", "compact")),
+               " · ".join(f"<{_ACC.format(m=m)}.drafts_accepted / {_ACC.format(m=m)}.decode_request_steps + 1|.2f>"
+                          for m in ("static", "compact"))]],
+           [{"c": c} for c in (1, 16, 64, 256)]),
+
+    Figure("thesis-8b-high", {"s": "benchmarks/steady_state_qwen3_8b_law0.862-0.99_h200.json"},
+           H200 + "; as above, a high acceptance (each request's rate uniform in 0.862–0.99, τ about 6, the paper's "
+           "Qwen3-8B figure on GSM8K is 6.17), another call",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "drafts verified per request-step, static · compact",
+            "tokens per request-step, static · compact"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
+                          for m in ("static", "compact")),
+               " · ".join(f"<{_ACC.format(m=m)}.drafts_accepted / {_ACC.format(m=m)}.decode_request_steps + 1|.2f>"
+                          for m in ("static", "compact"))]],
+           [{"c": c} for c in (1, 16, 64, 256)]),
+
+    Figure("thesis-8b-plain", {"s": "benchmarks/steady_state_qwen3_8b_plain_steps_h200.json"},
+           H200 + "; as above, a lower acceptance (each request's rate uniform in 0.30–0.96): compact with plain "
+           "steps (the default when the cost file holds the target's profile) and without them "
+           "(`--no-verify-plain-steps`: it drafts every step), in one call",
+           ["concurrency", "no-spec tok/s", "compact tok/s", "compact, drafting every step, tok/s",
+            "compact / no-spec", "drafting every step / no-spec", "compact / drafting every step",
+            "drafts verified per request-step, compact · drafting every step"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact", "compact-no-plain")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("compact/no-spec", "compact-no-plain/no-spec",
+                                                              "compact/compact-no-plain")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
+                          for m in ("compact", "compact-no-plain"))]],
+           [{"c": c} for c in (1, 16, 64, 128, 256)]),
+
+    Figure("thesis-8b-static", {"s": "benchmarks/steady_state_qwen3_8b_law0.30-0.96_h200.json",
+                                "a": "benchmarks/steady_state_qwen3_8b_aa_h200.json"},
+           H200 + "; the law of the table above (0.30–0.96), static against compact drafting every step (its cost "
+           "file held no plain profile), with the A/A control (two static engines, another invocation of the "
+           "same call)",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact, drafting every step, tok/s", "static / no-spec",
+            "compact / static", "A/A: static-b / static"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static")]
+            + [f"<a:{_PAIRED}|.3f>".replace("{r}", "static-b/static")]],
+           [{"c": 64}, {"c": 256}]),
+
+    _simulator_check("simulator-check-8b", "qwen3_8b",
+                     "`bench simulate` on a CPU, from the Qwen3-8B shape's H200 profiles above (with and without the "
+                     "drafter), the static traces of the measured sweep at each concurrency, prefill priced at 5 ms + "
+                     "30 µs per token (assumed, not fitted); measured: the sweep of the first table",
+                     concurrencies=(1, 16, 64, 256)),
 
     _prediction("prediction-8b", "qwen3_8b", "the Qwen3-8B shape (random weights)"),
     _prediction("prediction-30b", "qwen3_30b_a3b",

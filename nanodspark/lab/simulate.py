@@ -80,14 +80,16 @@ class StepCost:
         return s + (self.prefill_s + self.prefill_token_s * prefill_rows if prefill_rows else 0.0)
 
 
-def load_table(path, key: str | None = None) -> CostTable:
+def load_table(path, key: str | None = None, plain: bool = False) -> CostTable:
     """The cost table in a JSON file (`CostTable.save`'s layout): the one under `key`, or the
-    only one."""
+    only one of its kind (`plain`: the target's own, keyed "... (no drafter)"; a file may hold
+    both, as the engine reads them)."""
     tables = json.loads(Path(path).read_text())
     if key is None:
-        if len(tables) != 1:
+        kind = [k for k in tables if k.split("|")[0].endswith("(no drafter)") == plain] or list(tables)
+        if len(kind) != 1:
             raise SystemExit(f"{path} holds {len(tables)} tables; name one with --table-key: {list(tables)}")
-        key = next(iter(tables))
+        key = kind[0]
     return CostTable.from_json(tables[key])
 
 
@@ -140,8 +142,9 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
     if spec and (traces is None or traces.gamma != g):
         raise ValueError(f"{system} needs traces of gamma {g}")
     compact = system.startswith("compact")
+    plain = cost.plain if system == "compact" else None     # plain steps where drafting does not pay
     policy = (CostWindows(CostScheduler(g, max_num_seqs, mode="compact", cost_table=cost.table, lag=lag,
-                                        min_gain=1e9 if system == "compact-no-trim" else min_gain))
+                                        min_gain=1e9 if system == "compact-no-trim" else min_gain, plain_table=plain))
               if compact else StaticWindows(g))
     pick = trace_picker(traces if spec else None, len(work.prompts))
     free = list(range(max_num_seqs))[::-1]
@@ -191,6 +194,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
         # windows (the engine's policy, the recorded confidences) and the price
         D = [r for r, _ in decode]
         K, windows, conf = 0, np.zeros(len(D), dtype=np.int64), np.zeros((len(D), g), dtype=np.float32)
+        drafted = True
         if D and g:
             conf = np.stack([r.trace.conf[r.pos % len(r.trace.full)] for r in D])
             slots = np.array([r.slot for r in D], dtype=np.int64)
@@ -201,7 +205,10 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if wp.window_cap is not None:
                 windows = np.minimum(windows, wp.window_cap)
             K = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))   # as the ledger prices it
-        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec)
+            drafted = wp.draft
+            if not drafted:                                 # a plain step: the target's own price
+                windows, K = np.zeros(len(D), dtype=np.int64), 0
+        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec and drafted)
         # commit
         finished = []
         for r, rows in chunks:
@@ -211,7 +218,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
                 r.rec.chunks.append((t, 1))
         for r, w in zip(D, windows):
             a = 0
-            if g:
+            if g and drafted:
                 full = int(r.trace.full[r.pos % len(r.trace.full)])
                 room = max(0, r.max_tokens - r.out - 1)          # drafts that fit before max_tokens
                 r.verified += min(int(w), room)
@@ -223,7 +230,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if r.out >= r.max_tokens and r not in finished:
                 finished.append(r)
         if D and g:                                         # the relay sees the step, as CostWindows.observe
-            policy.observe(SimpleNamespace(step=step, decode=SimpleNamespace(
+            policy.observe(SimpleNamespace(step=step, drafted=drafted, decode=SimpleNamespace(
                 slots=slots, generations=gens, out=SimpleNamespace(conf=conf))))
         for r in finished:
             r.rec.end, r.rec.tokens = t, r.out
@@ -353,7 +360,7 @@ def simulate(args) -> dict:
     from .bench_engine import environment
     from .bench_serve import make_workload
     table = load_table(args.cost_table, args.table_key)
-    plain = load_table(args.plain_table, args.plain_key) if args.plain_table else None
+    plain = load_table(args.plain_table, args.plain_key, plain=True) if args.plain_table else None
     if not args.traces and any(s != "no-spec" for s in args.systems):
         raise SystemExit("speculative systems replay acceptance traces: give --traces "
                          "(`bench serve --record-traces DIR`, a static run's)")
@@ -412,7 +419,8 @@ def add_simulate_args(p) -> None:
     p.add_argument("--table-key", default=None, help="which table of the file (default: its only one)")
     p.add_argument("--plain-table", default=None, help="T(R, 0) without a drafter (`bench profile-plain`)")
     p.add_argument("--plain-key", default=None,
-                   help="the plain table's entry to use when its file holds several (default: its first)")
+                   help="the plain table's entry when its file holds several (default: the one keyed "
+                        "'... (no drafter)')")
     p.add_argument("--traces", default=None, help="acceptance traces (`bench serve --record-traces`), .npz or .json")
     p.add_argument("--scale-tau", type=float, default=None,
                    help="replay synthetic traces of this full-block tau instead (a prediction at that tau)")

@@ -60,7 +60,7 @@ def speedup_plot(measured: list[dict], predicted: list[dict], path: str, labels:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5.2))
+    fig, ax = plt.subplots(figsize=(11, 5.2))
     names = labels or []
     commands, styles = [], ["o", "s", "^", "D", "v", "P"]
     drawn = 0
@@ -85,11 +85,11 @@ def speedup_plot(measured: list[dict], predicted: list[dict], path: str, labels:
     ax.set_ylabel("total tok/s ÷ no speculation's")
     fig.suptitle(title or "Total throughput over no speculation, by concurrency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))     # beside the axes: never over a curve
     caption = "\n".join([textwrap.shorten(c, 160) for c in dict.fromkeys(commands) if c]
                         + ([caption_end] if caption_end else []))
     fig.text(0.01, 0.01, caption, fontsize=6, family="monospace", va="bottom")
-    fig.subplots_adjust(bottom=0.14 + 0.025 * caption.count("\n"))
+    fig.subplots_adjust(bottom=0.14 + 0.025 * caption.count("\n"), right=0.6)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     if not drawn:

@@ -31,12 +31,17 @@
 #   api      the API process before (.carry/old) and after, side by side: both servers up, each warmed,
 #            then c256 and c64 over HTTP in alternating rounds (old new new old), then the engine
 #            in-process at 64 / 256 on the same work
+#   scale    DSpark at paper scale, measured: the Qwen3-8B shape with random weights, its drafts accepted
+#            by a synthetic law (each request's rate uniform in LO:HI; LAWS, default 0.3:0.96, tau 2.5):
+#            the step-cost profiles in the overlapped loop (unless TABLE names one), a sweep no-spec /
+#            static / compact per law with static's traces (the simulator's input), then the A/A control
+#            static / static-b at 64 and 256 (AA=0: not)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|last}
-case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, ttft, api, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|scale|last}
+case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|scale|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, ttft, api, scale, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -225,6 +230,34 @@ api)
     --out "$R/engine.json" > "$R/engine.txt" 2>&1
   echo "engine rc=$?"; pack
   for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=|server, mean" "$f"; done ;;
+scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABLE: a Qwen3-8B cost table (else
+             # profiled here, the target's own profile in the same file); AA=0: no A/A
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  if [ -z "$TABLE" ]; then
+    timeout 100 $new profile --shape qwen3-8b --loop overlap --batch-sizes 1 16 64 128 256 --repeats 1 \
+      --out "$R/cost_qwen3_8b.json" > "$R/profile_8b.txt" 2>&1
+    echo "8b profile rc=$?"; pack
+    timeout 60 $new profile-plain --shape qwen3-8b --loop overlap --batch-sizes 1 16 64 128 256 --repeats 1 \
+      --out "$R/cost_qwen3_8b.json" > "$R/plain_8b.txt" 2>&1
+    echo "8b plain rc=$?"; pack
+    TABLE=$R/cost_qwen3_8b.json
+  fi
+  for LAW in ${LAWS:-0.3:0.96}; do
+    S8="--shape qwen3-8b --synthetic-acceptance $LAW --prompt-tokens 128 --output-len 96 --kv-gb 12 --warmup-s 2"
+    tag=${LAW/:/-}
+    timeout 260 $new serve $S8 --systems ${SYSTEMS:-no-spec static compact} --cost-table "$TABLE" \
+      --concurrency ${CONC:-1 16 64 128 256} --duration 5 --warmup-round-s 2 --budget-s 225 --record-traces "/tmp/tr_$tag" \
+      --out "$R/scale_8b_$tag.json" > "$R/scale_8b_$tag.txt" 2>&1
+    echo "8b sweep $LAW rc=$?"
+    mkdir -p "$R/traces_$tag" && cp /tmp/tr_$tag/static_* "$R/traces_$tag/" 2>/dev/null; pack
+    tail -n 18 "$R/scale_8b_$tag.txt"
+  done
+  if [ "${AA:-1}" = 1 ]; then
+    timeout 120 $new serve $S8 --systems static static-b --concurrency 64 256 --duration 5 --warmup-round-s 2 \
+      --out "$R/aa_8b.json" > "$R/aa_8b.txt" 2>&1
+    echo "8b A/A rc=$?"; pack
+    tail -n 8 "$R/aa_8b.txt"
+  fi ;;
 last)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
   timeout 75 $new profile --batch-sizes 16 64 256 --repeats 2 --out "$R/cost_default.json" > "$R/profile.txt" 2>&1
