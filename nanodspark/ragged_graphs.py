@@ -16,7 +16,7 @@ nothing inside may read a device value on the host. So:
   geometry fixed (SGLang's crash when one token tier meant two slot layouts). Static and plain
   decoding need one token tier per slot count (`slots * (1 + gamma)`); a trimming verify mode
   adds smaller token tiers (`graph_token_fractions`), so a trimmed step replays a genuinely
-  smaller graph.
+  smaller graph; a plain step (no drafter pass) replays a tier of one row per request.
 * **Static inputs.** One flat int64 buffer holds every input of every tier (slots, valid,
   window caps, budget, trim flag); a step writes it with one host-to-device copy.
   Everything else a step reads is the device state (device_state.py), also at fixed addresses.

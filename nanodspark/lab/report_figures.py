@@ -349,6 +349,14 @@ FIGURES = [
                           for m in ("static", "compact"))]],
            [{"c": c} for c in (1, 16, 64, 256)]),
 
+    Figure("thesis-8b-aa-low", {"a": "benchmarks/steady_state_qwen3_8b_aa_low_h200.json"},
+           H200 + "; the A/A control of the table above at 1 and 16: two static engines, the same law and work, "
+                  "another call",
+           ["concurrency", "static tok/s", "static-b tok/s", "static-b / static"],
+           [["{c}", f"<a:{_SS}|,.0f>".replace("{m}", "static"), f"<a:{_SS}|,.0f>".replace("{m}", "static-b"),
+             f"<a:{_PAIRED}|.3f>".replace("{r}", "static-b/static")]],
+           [{"c": 1}, {"c": 16}]),
+
     Figure("thesis-8b-high", {"s": "benchmarks/steady_state_qwen3_8b_law0.862-0.99_h200.json"},
            H200 + "; as above, a high acceptance (each request's rate uniform in 0.862–0.99, τ about 6, the paper's "
            "Qwen3-8B figure on GSM8K is 6.17), another call",

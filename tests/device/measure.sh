@@ -231,9 +231,10 @@ api)
   echo "engine rc=$?"; pack
   for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=|server, mean" "$f"; done ;;
 scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABLE: a Qwen3-8B cost table (else
-             # profiled here, the target's own profile in the same file); AA=0: no A/A
+             # profiled here, the target's own profile in the same file); AA=0: no A/A; AA_ONLY=1: only it (AA_CONC)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
-  if [ -z "$TABLE" ]; then
+  LAWS=${LAWS:-0.3:0.96}
+  if [ -z "$TABLE" ] && [ "${AA_ONLY:-0}" != 1 ]; then
     timeout 100 $new profile --shape qwen3-8b --loop overlap --batch-sizes 1 16 64 128 256 --repeats 1 \
       --out "$R/cost_qwen3_8b.json" > "$R/profile_8b.txt" 2>&1
     echo "8b profile rc=$?"; pack
@@ -242,7 +243,8 @@ scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABL
     echo "8b plain rc=$?"; pack
     TABLE=$R/cost_qwen3_8b.json
   fi
-  for LAW in ${LAWS:-0.3:0.96}; do
+  for LAW in $LAWS; do
+    [ "${AA_ONLY:-0}" = 1 ] && break
     S8="--shape qwen3-8b --synthetic-acceptance $LAW --prompt-tokens 128 --output-len 96 --kv-gb 12 --warmup-s 2"
     tag=${LAW/:/-}
     timeout 260 $new serve $S8 --systems ${SYSTEMS:-no-spec static compact} --cost-table "$TABLE" \
@@ -253,7 +255,8 @@ scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABL
     tail -n 18 "$R/scale_8b_$tag.txt"
   done
   if [ "${AA:-1}" = 1 ]; then
-    timeout 120 $new serve $S8 --systems static static-b --concurrency 64 256 --duration 5 --warmup-round-s 2 \
+    S8="--shape qwen3-8b --synthetic-acceptance ${LAWS%% *} --prompt-tokens 128 --output-len 96 --kv-gb 12 --warmup-s 2"
+    timeout 120 $new serve $S8 --systems static static-b --concurrency ${AA_CONC:-64 256} --duration 5 --warmup-round-s 2 \
       --out "$R/aa_8b.json" > "$R/aa_8b.txt" 2>&1
     echo "8b A/A rc=$?"; pack
     tail -n 8 "$R/aa_8b.txt"
