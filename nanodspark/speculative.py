@@ -127,12 +127,11 @@ class SpecStep:
                 conf = self.synthetic.rates(st.seed[b.slots])[:, None].expand(R, g).contiguous()
                 conf_logits = torch.logit(conf)
         # choose windows
-        windows = choose_windows(conf, active, b.budget, b.trim != 0, b.window_cap)
-        if not draft:
-            windows = torch.zeros_like(windows)
-        verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
-        if not draft:
-            verified = torch.zeros_like(verified)
+        if draft:
+            windows = choose_windows(conf, active, b.budget, b.trim != 0, b.window_cap)
+            verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
+        else:
+            windows = verified = torch.zeros(R, dtype=torch.long, device=dev)
         cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
         rows = torch.where(active, 1 + verified, 0)
         # verify: one ragged forward of [anchor, d_1 .. d_verified] per request
