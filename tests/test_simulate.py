@@ -339,3 +339,14 @@ def test_simulate_refuses_speculation_without_traces(tmp_path):
     args = build_parser().parse_args(["simulate", "--cost-table", str(tmp_path / "t.json")])
     with pytest.raises(SystemExit, match="--traces"):
         simulate(args)
+
+
+def test_a_plain_step_is_priced_as_no_speculation():
+    """The ledger marks a plain step with budget -1: the simulator's price for it is the target's
+    own table, not the speculative table at K = 0 (which holds the drafter's pass)."""
+    from nanodspark.cost_table import CostTable
+    from nanodspark.lab.simulate import StepCost
+    cost = StepCost(CostTable({(b, k): 3e-3 + 1e-5 * k for b in (1, 8) for k in range(33)}),
+                    CostTable({(b, 0): 1e-3 for b in (1, 8)}))
+    assert cost.decode_seconds(8, -1) == pytest.approx(1e-3)
+    assert cost.decode_seconds(8, 0) == pytest.approx(3e-3) and cost.decode_seconds(8, 0, spec=False) == pytest.approx(1e-3)

@@ -364,7 +364,12 @@ def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp
     llm = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path=str(drafter_dir), verify_mode="compact",
               cost_table=str(path), enable_prefix_cache=False)
     assert llm.engine.windows.scheduler.plain_table is not None
+    import time
+    from nanodspark.lab.traces import StepLedger
+    ledger = StepLedger.attach(llm.engine, time.monotonic)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    marked = int((ledger.table()["budget"] < 0).sum())          # the ledger marks plain steps (budget -1)
+    assert (marked > 0) == plain_steps
     base = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path="none")
     assert [o.token_ids for o in outs] == [o.token_ids for o in base.generate(
         ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]

@@ -72,6 +72,8 @@ class StepCost:
     prefill_token_s: float = 0.0
 
     def decode_seconds(self, R: int, K: int, spec: bool = True) -> float:
+        """K < 0: a plain step of a speculative engine (the ledger's mark), priced as no speculation."""
+        spec = spec and K >= 0
         t = self.table if spec or self.plain is None else self.plain
         return t.predict(R, K if spec else 0)
 

@@ -181,7 +181,7 @@ class StepLedger:
 
     Columns (LEDGER_FIELDS): the clock when the step was committed, the step index, its seconds
     (launch to result), decoding requests, drafts verified and accepted, the budget K the
-    window policy planned (R * gamma for full blocks, 0 without a drafter), prefill rows, of
+    window policy planned (R * gamma for full blocks, 0 without a drafter, -1 for a plain step), prefill rows, of
     which recomputed (preempted requests), prefill chunks, and the share of KV blocks in use
     after the commit (reserved ahead for verify windows included). `preemptions` counts the
     scheduler's.
@@ -206,7 +206,8 @@ class StepLedger:
 
         def recording_plan(requests, step):
             wp = plan(requests, step)
-            led._budgets[step] = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))
+            led._budgets[step] = (-1 if not wp.draft          # a plain step: no drafter pass
+                                  else wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap)))
             return wp
         sched.preempt, policy.plan = counting_preempt, recording_plan
         led._detach = lambda: (sched.__dict__.pop("preempt", None), policy.__dict__.pop("plan", None))
@@ -263,6 +264,7 @@ def account(ledger: StepLedger, t0: float, t1: float, step_calls: list[tuple[flo
         "decode_request_steps": int(tab["decode"].sum()),
         "verify_rows": int(tab["decode"].sum() + tab["verified"].sum()),
         "drafts_verified": int(tab["verified"].sum()), "drafts_accepted": int(tab["accepted"].sum()),
+        "plain_steps": int(((tab["budget"] < 0) & (tab["decode"] > 0)).sum()),
         "kv_used_mean": round(float(tab["kv_used"].mean()), 4) if len(tab["t"]) else None,
         "kv_used_max": round(float(tab["kv_used"].max()), 4) if len(tab["t"]) else None,
     }
