@@ -166,7 +166,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
-        w.capture(plain_steps=getattr(getattr(self.windows, "scheduler", None), "plain_table", None) is not None)
+        w.capture(plain_steps=self.plain_steps)
+
+    @property
+    def plain_steps(self) -> bool:
+        """May this engine run plain steps (compact with the target's own profile, cost_scheduler.py)?"""
+        return getattr(getattr(self.windows, "scheduler", None), "plain_table", None) is not None
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler

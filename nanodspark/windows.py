@@ -43,10 +43,10 @@ class CostWindows(WindowPolicy):
         self.scheduler, self.gamma = scheduler, scheduler.gamma
 
     def plan(self, rows: DecodeRows, step: int) -> WindowPlan:
-        budget, trim, predicted = self.scheduler.budget(rows.slots, rows.generations, step)
-        if trim and not self.scheduler.drafting_pays(rows.slots, rows.generations, step):
-            R = len(rows.slots)                 # a plain step: no drafter, no window
+        if not self.scheduler.drafting_pays(rows.slots, rows.generations, step):
+            R = len(rows.slots)                 # a plain step: no drafter, no window, no budget to size
             return WindowPlan(0, True, None, self.scheduler.plain_table.predict(R, 0), draft=False)
+        budget, trim, predicted = self.scheduler.budget(rows.slots, rows.generations, step)
         return WindowPlan(budget, trim, None, predicted)
 
     def observe(self, result) -> None:

@@ -85,6 +85,22 @@ def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False
                   [{"c": c, "m": m} for c in concurrencies for m in ("no-spec", "static", "compact")])
 
 
+def _thesis_8b(name: str, law: str, caption: str) -> Figure:
+    """The Qwen3-8B shape under one synthetic acceptance law: no-spec / static / compact by
+    concurrency, their ratios, drafts verified and tokens committed per request-step."""
+    per_step = lambda field, extra="": " · ".join(          # noqa: E731
+        f"<{_ACC.format(m=m)}.{field} / {_ACC.format(m=m)}.decode_request_steps{extra}|.2f>" for m in ("static", "compact"))
+    return Figure(name, {"s": f"benchmarks/steady_state_qwen3_8b_law{law}_h200.json"}, H200 + caption,
+                  ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec",
+                   "compact / no-spec", "compact / static", "drafts verified per request-step, static · compact",
+                   "tokens per request-step, static · compact"],
+                  [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+                   + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec",
+                                                                     "compact/static")]
+                   + [per_step("drafts_verified"), per_step("drafts_accepted", " + 1")]],
+                  [{"c": c} for c in (1, 16, 64, 256)])
+
+
 FIGURES = [
     Figure("kernels", {"k": "benchmarks/kernels_h200.json"}, H200 + " (Qwen3-8B attention shape, bf16, pages of 16)",
            ["batch", "context", "q_len", "Triton, graph µs", "% of copy bandwidth (graph)", "SDPA, graph µs",
@@ -332,22 +348,12 @@ FIGURES = [
            [{"i": 0, "mode": "cap-accept", "prompt": "story"}, {"i": 1, "mode": "compact", "prompt": "story"},
             {"i": 2, "mode": "target only", "prompt": "story"}, {"i": 3, "mode": "cap-accept", "prompt": "code"}]),
 
-    Figure("thesis-8b", {"s": "benchmarks/steady_state_qwen3_8b_law0.475-0.97_h200.json"},
-           H200 + "; the Qwen3-8B shape with RANDOM WEIGHTS and DSpark's default drafter (5 layers, block 7), its "
-           "drafts accepted by a synthetic law (each request's rate uniform in 0.475–0.97; not the target's output), "
-           "in-process, closed loop, mix prompts cut to 128 tokens, 96 ± 25 % new tokens, greedy, prefix cache "
-           "off, admission in waves, compact on the profiles above (the drafter's and the target's own, one file), "
-           "one 5 s window per engine after 2 s, one round",
-           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
-            "compact / static", "drafts verified per request-step, static · compact",
-            "tokens per request-step, static · compact"],
-           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
-            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
-            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
-                          for m in ("static", "compact")),
-               " · ".join(f"<{_ACC.format(m=m)}.drafts_accepted / {_ACC.format(m=m)}.decode_request_steps + 1|.2f>"
-                          for m in ("static", "compact"))]],
-           [{"c": c} for c in (1, 16, 64, 256)]),
+    _thesis_8b("thesis-8b", "0.475-0.97",
+               "; the Qwen3-8B shape with RANDOM WEIGHTS and DSpark's default drafter (5 layers, block 7), its "
+               "drafts accepted by a synthetic law (each request's rate uniform in 0.475–0.97; not the target's "
+               "output), in-process, closed loop, mix prompts cut to 128 tokens, 96 ± 25 % new tokens, greedy, prefix "
+               "cache off, admission in waves, compact on the profiles above (the drafter's and the target's own, one "
+               "file), one 5 s window per engine after 2 s, one round"),
 
     Figure("thesis-8b-aa-low", {"a": "benchmarks/steady_state_qwen3_8b_aa_low_h200.json"},
            H200 + "; the A/A control of the table above at 1 and 16: two static engines, the same law and work, "
@@ -357,19 +363,9 @@ FIGURES = [
              f"<a:{_PAIRED}|.3f>".replace("{r}", "static-b/static")]],
            [{"c": 1}, {"c": 16}]),
 
-    Figure("thesis-8b-high", {"s": "benchmarks/steady_state_qwen3_8b_law0.862-0.99_h200.json"},
-           H200 + "; as above, a high acceptance (each request's rate uniform in 0.862–0.99, τ about 6, the paper's "
-           "Qwen3-8B figure on GSM8K is 6.17), another call",
-           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
-            "compact / static", "drafts verified per request-step, static · compact",
-            "tokens per request-step, static · compact"],
-           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
-            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
-            + [" · ".join(f"<{_ACC.format(m=m)}.drafts_verified / {_ACC.format(m=m)}.decode_request_steps|.2f>"
-                          for m in ("static", "compact")),
-               " · ".join(f"<{_ACC.format(m=m)}.drafts_accepted / {_ACC.format(m=m)}.decode_request_steps + 1|.2f>"
-                          for m in ("static", "compact"))]],
-           [{"c": c} for c in (1, 16, 64, 256)]),
+    _thesis_8b("thesis-8b-high", "0.862-0.99",
+               "; as above, a high acceptance (each request's rate uniform in 0.862–0.99, τ about 6, the paper's "
+               "Qwen3-8B figure on GSM8K is 6.17), another call"),
 
     Figure("thesis-8b-plain", {"s": "benchmarks/steady_state_qwen3_8b_plain_steps_h200.json"},
            H200 + "; as above, a lower acceptance (each request's rate uniform in 0.30–0.96): compact with plain "
