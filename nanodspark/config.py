@@ -453,6 +453,9 @@ class EngineConfig:
     verify_lag: int = knob(2, "steps between the confidences that size the budget and now (>= 1)", "speculation")
     verify_plain_steps: bool = knob(True, "compact: a plain step (no drafter pass) where the target's own profile, "
                                           "in the cost table's file, says drafting does not pay", "speculation")
+    verify_draft_fractions: tuple[float, ...] = knob(
+        (0.25, 0.5, 0.75), "compact: shares of a batch whose most confident requests may draft alone, each "
+                           "once the cost file holds its profile (bench profile --draft-fraction F)", "speculation")
     coupled_sampling: bool = knob(False, "drafts and verification share the target's noise: the same tokens "
                                          "with speculation on or off", "speculation")
     synthetic_acceptance: str | None = knob(
@@ -522,6 +525,8 @@ class EngineConfig:
             raise ValueError("graph_batch_sizes must be positive slot counts")
         if not self.graph_token_fractions or not all(0 <= f <= 1 for f in self.graph_token_fractions):
             raise ValueError("graph_token_fractions must lie in [0, 1]")
+        if not all(0 < f < 1 for f in self.verify_draft_fractions):
+            raise ValueError("verify_draft_fractions must lie strictly between 0 and 1")
         if self.verify_min_gain < 0 or self.verify_lag < 1:
             raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:

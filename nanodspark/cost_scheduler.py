@@ -21,8 +21,8 @@ c_{r,k+1} through the Markov feature). Two ways, one function each:
       largest *current* survival, ties to the lower position: no cell that depends on x_{r,k}
       can outrank (r, k), so "window_r >= k" is decided before x_{r,k} matters.
       `CostScheduler.budget` is the host's half of a step, `choose_windows` the device's.
-    * plain steps: `CostScheduler.drafting_pays` (given the target's own profile) says when a step
-      without the drafter's pass beats every budget; it verifies nothing, so it is lossless.
+    * partial drafting: `CostScheduler.draft_choice` may let only the requests of largest lagged
+      survival draft (a profiled share of the batch; none: a plain step); lossless by the lag.
 
 Invariants
     * Cells are ordered by survival descending, then position, then request
@@ -41,7 +41,9 @@ The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py."
 
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -158,6 +160,15 @@ def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
     return torch.minimum(torch.where(trim, topk_windows(conf, budget, active), g), window_cap)
 
 
+@dataclass
+class DraftChoice:
+    """A step in which only some requests draft (`CostScheduler.draft_choice`)."""
+    fraction: float          # the share of the batch that drafts (0: a plain step)
+    order: np.ndarray        # the plan's rows, the ceil(fraction * R) drafting ones first
+    budget: int              # draft tokens to verify (over the drafting rows)
+    predicted: float         # T(R, budget, drafting rows), seconds
+
+
 class ConfidenceRelay:
     """Ring of past conditional confidences per request slot, stamped with step and generation.
 
@@ -181,21 +192,27 @@ class ConfidenceRelay:
         self.last_generation = np.full(max_slots, -1, dtype=np.int64)
         self.mean = np.ones(gamma, dtype=np.float32)
 
-    def push(self, step: int, slot_ids, generation_ids, conf, drafted: bool = True) -> None:
-        """Record conf [R, gamma] (copied to the host) for slots at `step`. A plain step
-        (`drafted=False`) has no confidences of its own: each slot carries its last ones forward
-        (a request that never drafted: the running mean), so its budget `lag` steps later still
+    def push(self, step: int, slot_ids, generation_ids, conf, drafted=True) -> None:
+        """Record conf [R, gamma] (copied to the host) for slots at `step`. A row that did not
+        draft (`drafted`: a bool for every row, or one per row; False on a plain step) has no
+        confidences of its own: its slot carries its last ones forward (a request that never
+        drafted: the running mean over the batches' rows), so its budget `lag` steps later still
         reads what the drafter last said, never a survival of 1.0."""
         row = step % (self.lag + 1)
         slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
-        if drafted:
-            c = _host_floats(conf)
-            self.last[slots], self.last_generation[slots] = c, gens
-            if len(c):
-                self.mean = 0.9 * self.mean + 0.1 * c.mean(0)
-        else:
-            known = self.last_generation[slots] == gens
-            c = np.where(known[:, None], self.last[slots], self.mean)
+        own = np.broadcast_to(np.asarray(drafted, dtype=bool), slots.shape)
+        c = np.empty((len(slots), self.gamma), dtype=np.float32)
+        if own.any():
+            fresh = _host_floats(conf)[own]
+            self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
+            c[own] = fresh
+        if not own.all():
+            s, g = slots[~own], gens[~own]
+            c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
+        if len(c):
+            # the mean over every row of the batch, not over those that drafted: when only the
+            # confident ones draft, their mean would make every newcomer look confident too
+            self.mean = 0.9 * self.mean + 0.1 * c.mean(0)
         self.conf[row, slots] = c
         self.stamp[row, slots] = step
         self.generation[row, slots] = gens
@@ -204,14 +221,17 @@ class ConfidenceRelay:
         """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
         return torch.from_numpy(self.lagged_np(slot_ids, generation_ids, step))
 
-    def lagged_np(self, slot_ids, generation_ids, step: int) -> np.ndarray:
+    def lagged_np(self, slot_ids, generation_ids, step: int, prior: bool = False) -> np.ndarray:
+        """`lagged` as numpy; `prior`: the running mean, not 1.0, where the entry is not valid
+        (what a request nobody has drafted for yet is expected to accept, not what is safe to verify)."""
         slots = _host_ints(slot_ids)
         src = step - self.lag
+        unknown = self.mean if prior else np.float32(1.0)
         if src < 0:
-            return np.ones((len(slots), self.gamma), dtype=np.float32)
+            return np.cumprod(np.broadcast_to(unknown, (len(slots), self.gamma)), axis=1).astype(np.float32)
         row = src % (self.lag + 1)
         ok = (self.stamp[row, slots] == src) & (self.generation[row, slots] == _host_ints(generation_ids))
-        conf = np.where(ok[:, None], self.conf[row, slots], np.float32(1.0))
+        conf = np.where(ok[:, None], self.conf[row, slots], unknown)
         return np.cumprod(conf, axis=1)
 
 
@@ -235,12 +255,16 @@ class CostScheduler:
     def __init__(self, gamma: int, max_slots: int, mode: str = "static",
                  cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
                  min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS,
-                 plain_table: CostTable | None = None):
+                 plain_table: CostTable | None = None, share_tables: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
         self.plain_table = plain_table if plain_table is not None and plain_table.measurements else None
         self.min_gain, self.survival_eps = min_gain, survival_eps
+        # share of the batch that drafts -> the step cost T(R, K) measured with that share drafting
+        self.share_tables = {f: t for f, t in (share_tables or {}).items() if t is not None and t.measurements}
+        if not all(0.0 < f < 1.0 for f in self.share_tables):
+            raise ValueError(f"draft shares must lie strictly between 0 and 1, not {sorted(self.share_tables)}")
         self.relay = ConfidenceRelay(max_slots, gamma, lag)
         self._can_trim = (cost_table is not None and bool(cost_table.measurements)
                           and not cost_table.is_flat())
@@ -281,20 +305,41 @@ class CostScheduler:
             budget = budget_from_lagged(lagged, self.cost_table, self.min_gain, self.survival_eps)
         return budget, True, float(times[budget if mode == "compact" else full])
 
-    def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
-        """Compact mode with a plain table (the target alone, `bench profile-plain`): False when a
-        plain step's R / T_plain(R) beats the best speculative step's expected tokens per second
-        (`budget_from_lagged`'s objective, the drafter's pass included) by more than min_gain.
-        The drafter then does not run this step; the lagged survivals decide, as for the budget."""
+    def draft_choice(self, slot_ids, generation_ids, step: int) -> DraftChoice | None:
+        """Compact mode with a plain table (the target alone, `bench profile-plain`): should only
+        some requests draft this step? Rows are ranked by the sum of their lagged survivals (the
+        drafts they would add); for each profiled share f (`share_tables`) and for f = 0 (a plain
+        step), the best budget over the top ceil(f * R) rows is priced by that share's profile.
+        Returns the best such step if its expected tokens per second (`budget_from_lagged`'s
+        objective) beat every step where all rows draft by more than min_gain; else None."""
         if self.plain_table is None or self.effective_mode() != "compact":
-            return True
-        R = len(slot_ids)
-        lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step)
-        vals = np.sort(np.where(lagged >= self.survival_eps, lagged, 0.0).reshape(-1))[::-1]
-        best = float(np.max((R + np.concatenate([[0.0], np.cumsum(vals)])) / self.cost_table.curve(R, R * self.gamma)))
-        return R / self.plain_table.predict(R, 0) <= (1.0 + self.min_gain) * best
+            return None
+        R, g = len(slot_ids), self.gamma
+        # a request without lagged confidences (just admitted) counts as the running mean, not as
+        # certain: a wave of admissions must not buy a drafter's pass on hope
+        lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step, prior=True)
+        s = np.where(lagged >= self.survival_eps, lagged, 0.0)
+        order = np.argsort(-s.sum(1), kind="stable")
+        best, choice = -1.0, None
+        for f in sorted({0.0, *self.share_tables, 1.0}):
+            D = math.ceil(f * R)
+            table = self.cost_table if D == R else self.share_tables.get(f, self.plain_table)
+            times = table.curve(R, D * g)
+            cells = np.sort(s[order[:D]].reshape(-1))[::-1]
+            theta = (R + np.concatenate([[0.0], np.cumsum(cells)])) / times
+            k = int(np.argmax(theta))
+            if D == R:
+                everyone = float(theta[k])
+            elif theta[k] > best:
+                best, choice = float(theta[k]), DraftChoice(f, order, k, float(times[k]))
+        return choice if choice is not None and best > (1.0 + self.min_gain) * everyone else None
 
-    def record(self, step: int, slot_ids, generation_ids, conf, drafted: bool = True) -> None:
+    def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
+        """Does any request run the drafter's pass this step (`draft_choice`)?"""
+        c = self.draft_choice(slot_ids, generation_ids, step)
+        return c is None or c.fraction > 0
+
+    def record(self, step: int, slot_ids, generation_ids, conf, drafted=True) -> None:
         """Push a step's confidences [R, gamma] into the relay (CostWindows.observe does, once
-        the step's result is on the host); a plain step carries the last ones forward."""
+        the step's result is on the host); a row that did not draft carries its last ones forward."""
         self.relay.push(step, slot_ids, generation_ids, conf, drafted)

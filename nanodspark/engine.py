@@ -166,12 +166,17 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
-        w.capture(plain_steps=self.plain_steps)
+        w.capture(plain_steps=self.plain_steps, shares=self.draft_shares)
 
     @property
     def plain_steps(self) -> bool:
         """May this engine run plain steps (compact with the target's own profile, cost_scheduler.py)?"""
         return getattr(getattr(self.windows, "scheduler", None), "plain_table", None) is not None
+
+    @property
+    def draft_shares(self) -> tuple[float, ...]:
+        """The shares of a batch that may draft alone (profiled in the cost file; cost_scheduler.py)."""
+        return tuple(sorted(getattr(getattr(self.windows, "scheduler", None), "share_tables", {}) or ()))
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler
@@ -187,8 +192,12 @@ class LLMEngine:
         plain = CostTable.load(cfg.cost_table, f"{self.model_name} (no drafter)", str(self.dtype),
                                self.device.type, ()) \
             if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps else None
+        # and the profiles of steps where only a share drafts (`bench profile --draft-fraction`), if measured
+        shares = {f: CostTable.load(cfg.cost_table, f"{self.model_name} (draft {f:g})", str(self.dtype),
+                                    self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
-                                         lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain))
+                                         lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain,
+                                         share_tables=shares))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -320,6 +329,9 @@ class LLMEngine:
         if len(dec):                         # first: a policy may refuse the step before anything has changed
             plan.windows = self.windows.plan(DecodeRows(dec, plan.decode_generations, None, b.req[dec]),
                                              self.executor.steps)
+            if plan.windows.order is not None:       # the rows that draft go first (speculative.py)
+                dec = plan.decode_slots = dec[plan.windows.order]
+                plan.decode_generations = b.generation[dec]
             for req in sched.joined:         # it became decoding on the host (prompt or prefix hit)
                 if not req.device_anchor:
                     w.anchors.append((req.slot, req.num_computed, req.last_id))
@@ -373,7 +385,7 @@ class LLMEngine:
             self._commit_chunk(r, out)
         seen = result
         if result.decode is not None:
-            applied = self._commit_decode(result.decode, out, result.drafted)
+            applied = self._commit_decode(result.decode, out)
             if applied is not result.decode:
                 seen = dataclasses.replace(result, decode=applied)
         for o in self.observers:
@@ -393,7 +405,7 @@ class LLMEngine:
             return
         out.add(self._apply(req, [r.token]))
 
-    def _commit_decode(self, d: DecodeRows, out: StepOutputs, drafted: bool = True) -> DecodeRows:
+    def _commit_decode(self, d: DecodeRows, out: StepOutputs) -> DecodeRows:
         """Commit every decode row with array operations; returns the rows applied (`d` itself when
         all were: no copy). A request's object is touched only if it finishes, needs its text, or
         crosses a KV block."""
@@ -413,7 +425,7 @@ class LLMEngine:
         before = b.num_computed[s]
         end = before + count
         b.num_computed[s] = end
-        self._count(s, o, drafted)
+        self._count(s, o)
         # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
         # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
         n_out = b.out_len[s]        # limit_len - prompt_len = min(max_tokens, max_model_len - prompt_len)
@@ -449,13 +461,13 @@ class LLMEngine:
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, slots: np.ndarray, o, drafted: bool = True) -> None:
+    def _count(self, slots: np.ndarray, o) -> None:
         """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
         mode, count = self.verify_mode, o.count
         add = np.empty((len(slots), self.batch.spec.shape[1]), dtype=np.int64)
-        add[:, 0], add[:, 1] = 1, self.gamma if drafted else 0                # steps, drafted
+        add[:, 0], add[:, 1] = 1, self.gamma * o.drafted                      # steps, drafted
         add[:, 2] = np.minimum(o.windows, o.verified) if mode.trims else o.verified
         add[:, 3], add[:, 4] = count - 1, count                               # accepted, committed
         add[:, 5] = o.ceiling + 1 if mode.reports_ceiling else 0

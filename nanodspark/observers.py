@@ -101,8 +101,12 @@ class SpecMetrics:
         """After the engine applied `result`: settle now what needs the batch as it is now (a
         trimmed step's pending drafts and chains) and keep the rest, plain records too, for `flush`."""
         d = result.decode
-        if d is None or not len(d.slots) or not self.gamma or not getattr(result, "drafted", True):
-            return                           # (a plain step drafted nothing to label)
+        if d is None or not len(d.slots) or not self.gamma:
+            return
+        if not d.out.drafted.all():          # rows that did not draft have nothing to label
+            d = d.select(d.out.drafted != 0)
+            if not len(d.slots):
+                return
         acc, win = self._labels(d.out)
         if self.mode.trims:
             if self.pending.any():
@@ -217,6 +221,8 @@ class CalibrationRecorder:
             return
         o = d.out
         for i, req in enumerate(d.requests.tolist()):
+            if not o.drafted[i]:              # the drafter did not run for it: nothing to record
+                continue
             self.records.append((torch.from_numpy(o.conf_logits[i].copy()), int(max(o.count[i] - 1, 0)),
                                  int(o.verified[i]), req.request_id))
 

@@ -8,9 +8,10 @@ packed into one ragged batch (ragged_graphs.py), the target scores it, `verify.v
 accepts a prefix of each window and adds the correction or bonus token, the state advances to
 the new anchor, and the target features of the committed positions are injected into the
 drafter's context cache. The step returns `DecodeOut` (device tensors); the engine copies it to
-the host once and applies it. Plain decoding is the same step with gamma = 0 and no drafter; a
-plain step of a speculative engine (`draft=False`, cost_scheduler.py) skips the drafter's pass
-and verifies no draft, but still injects the anchors' features, so the drafter can resume.
+the host once and applies it. Plain decoding is the same step with gamma = 0 and no drafter.
+The cost scheduler may let only the first ceil(draft * R) rows run the drafter's pass (`draft`
+< 1, its most confident requests first; 0: a plain step): the others verify no draft, but every
+committed row's features are injected, so any request can draft again the next step.
 
 Because nothing in here reads a device value on the host, the whole step can be captured in a
 CUDA graph (ragged_graphs.py) and the next step can be launched before this one's result has
@@ -24,6 +25,7 @@ lets a request run past its limit (`limit_len`: max_tokens or max_model_len); a 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,16 +63,17 @@ class DecodeOut:
     verified: torch.Tensor     # int64 [R]: drafts the target scored
     ceiling: torch.Tensor      # int64 [R]: drafts a full-block verify accepted (cap-accept)
     finite: torch.Tensor       # int64 [R]: 1 if every logit row of the request was finite
+    drafted: torch.Tensor      # int64 [R]: 1 if the drafter's pass ran for the request (its conf is fresh)
     conf: torch.Tensor         # float32 [R, gamma]: calibrated conditional confidences
     conf_logits: torch.Tensor  # float32 [R, gamma]: raw confidence logits (calibration records)
 
-    INTS = 7                   # the first seven fields are integers
+    INTS = 8                   # the first eight fields are integers
 
     def fields(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One int64 and one float32 tensor: two device-to-host copies instead of nine."""
+        """One int64 and one float32 tensor: two device-to-host copies instead of ten."""
         f = self.fields()
         return (torch.cat([t.reshape(-1) for t in f[:self.INTS]]), torch.cat([t.reshape(-1) for t in f[self.INTS:]]))
 
@@ -79,10 +82,10 @@ class DecodeOut:
         """`pack`'s inverse on the host: numpy views of the two copies, of their first `rows` rows
         (the requests of a padded tier; all rows by default)."""
         i, f = ints.numpy(), floats.numpy()
-        T = len(i) // (2 * gamma + 6)                  # the rows packed
+        T = len(i) // (2 * gamma + 7)                  # the rows packed
         n = T if rows is None else rows
         fields, at = [], 0
-        for width in (gamma + 1, gamma, None, None, None, None, None):    # None: one value per row
+        for width in (gamma + 1, gamma, None, None, None, None, None, None):    # None: one value per row
             size = T * (1 if width is None else width)
             a = i[at:at + size]
             fields.append(a[:n] if width is None else a.reshape(T, width)[:n])
@@ -105,31 +108,44 @@ class SpecStep:
 
     @torch.inference_mode()
     def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool,
-                 draft: bool = True) -> DecodeOut:
+                 draft: float = 1.0) -> DecodeOut:
         st, g, R = self.state, self.gamma, b.slots.shape[0]
         dev = b.slots.device
         anchors, anchor_pos = st.last_token[b.slots], st.seq_len[b.slots]
         room = st.limit_len[b.slots] - anchor_pos - 2           # drafts that fit before the limit
         active = (b.valid != 0) & (room >= 0)        # (computed here, inside the graph: the inputs are views)
         samp = None if greedy_only else st.sampling(b.slots, truncates)
-        # draft
-        if self.drafter is None:
-            drafts = torch.zeros(R, 0, dtype=torch.long, device=dev)
-            draft_probs, conf, conf_logits = None, torch.zeros(R, 0, device=dev), torch.zeros(R, 0, device=dev)
-        elif not draft:                  # a plain step: no drafter pass, no window (the features are injected)
-            drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-            draft_probs, conf, conf_logits = None, torch.zeros(R, g, device=dev), torch.zeros(R, g, device=dev)
-        else:
-            d = self.drafter.propose(anchors, anchor_pos, self.draft_cache, st.tables["draft"][b.slots],
-                                     self.block_size, samp, self.ops, STREAM_TARGET if self.coupled else STREAM_DRAFT)
-            drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
+        # draft: the first D rows (all of them, some, or none: a plain step); D is the tier's, static
+        D = min(R, math.ceil(draft * R)) if self.drafter is not None else 0
+        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+        draft_probs, conf, conf_logits = None, torch.zeros(R, g, device=dev), torch.zeros(R, g, device=dev)
+        if D:
+            sl = slice(0, D)
+            d = self.drafter.propose(anchors[sl], anchor_pos[sl], self.draft_cache, st.tables["draft"][b.slots[sl]],
+                                     self.block_size, None if samp is None else samp.rows(sl), self.ops,
+                                     STREAM_TARGET if self.coupled else STREAM_DRAFT)
+            if D == R:
+                drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
+            else:                        # the other rows: no draft, confidence 0 (no window under top-K)
+                drafts[sl], conf[sl], conf_logits[sl] = d.tokens, d.confidence.float(), d.conf_logits.float()
+                if d.probs is not None:
+                    draft_probs = torch.cat([d.probs, d.probs.new_zeros(R - D, *d.probs.shape[1:])])
             if self.synthetic is not None:          # the law's rate is each draft's calibrated confidence
-                conf = self.synthetic.rates(st.seed[b.slots])[:, None].expand(R, g).contiguous()
-                conf_logits = torch.logit(conf)
+                rate = self.synthetic.rates(st.seed[b.slots])[:, None].expand(R, g)
+                conf, conf_logits = rate.contiguous(), torch.logit(rate)
+        # the rows that drafted: ceil(draft * requests), as the host counted them (float64 on both
+        # sides); a padded tier's drafter pass may have run for a few more, whose drafts are dropped
+        drafted = b.valid != 0
+        if D < R:                        # a row that did not draft: no draft, confidence 0
+            drafted = drafted & (torch.arange(R, device=dev) < torch.ceil(draft * drafted.sum().double()))
+            conf = torch.where(drafted[:, None], conf, 0.0)
+            conf_logits = torch.where(drafted[:, None], conf_logits, 0.0)
         # choose windows
-        if draft:
+        if D:
             windows = choose_windows(conf, active, b.budget, b.trim != 0, b.window_cap)
             verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
+            if D < R:                    # ... and no window, trimmed or not
+                windows, verified = torch.where(drafted, windows, 0), torch.where(drafted, verified, 0)
         else:
             windows = verified = torch.zeros(R, dtype=torch.long, device=dev)
         cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
@@ -148,18 +164,18 @@ class SpecStep:
             kv_index = row_cache_index(bt, lay.row_req, pos, self.block_size)
             groups[name] = GroupMeta(bt, torch.where(lay.row_valid, kv_index, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
-        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g if draft else 1, groups, self.ops, tp=self.tp)
+        ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g if D else 1, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
         logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
         # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
         finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
-        if not draft:                    # the anchor row only: the target's token, padded to the block
+        if not D:                        # the anchor row only: the target's token, padded to the block
             v = verify_batch(drafts[:, :0], None, logits, row_index[:, :1].clamp(0, tokens_tier - 1), samp,
                              anchor_pos, verified, cap, greedy_only, self.coupled)
             verdict = dataclasses.replace(v, tokens=torch.cat([v.tokens, drafts], 1))
-        elif self.synthetic is not None and g:
+        elif self.synthetic is not None:
             verdict = self.synthetic.verdict(drafts, logits, row_index.clamp(0, tokens_tier - 1), st.seed[b.slots],
                                              anchor_pos, verified, cap)
         else:
@@ -174,4 +190,5 @@ class SpecStep:
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
             kv_index = row_cache_index(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
             self.drafter.inject(out.captured, pos, torch.where(committed, kv_index, -1), self.draft_cache, self.ops)
-        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, conf, conf_logits)
+        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, drafted.long(),
+                         conf, conf_logits)

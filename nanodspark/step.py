@@ -18,6 +18,7 @@ request that held `slots[i]` with generation `generations[i]` when the step was 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,8 @@ class WindowPlan:
     trim: bool                        # choose windows by survival under the budget
     window_cap: np.ndarray | None = None   # most drafts per request (None: gamma for every request)
     predicted_step_time: float = float("nan")
-    draft: bool = True                # False: a plain step (no drafter pass; its features still injected)
+    draft: float = 1.0                # the share of rows that run the drafter's pass (0: a plain step)
+    order: np.ndarray | None = None   # the rows in launch order, the drafting ones first (None: as planned)
 
 
 @dataclass
@@ -88,7 +90,6 @@ class StepResult:
     predicted_step_time: float = float("nan")
     seconds: float = 0.0              # launch to result, host clock
     tier: tuple[int, int] | None = None   # the graph tier replayed (None: eager or no decode)
-    drafted: bool = True              # False: a plain step, whose confidences are not the drafter's
 
 
 class StepHandle:
@@ -127,35 +128,47 @@ class StepHandle:
             decode = DecodeRows(plan.decode_slots, plan.decode_generations, out)
         wp = plan.windows
         return StepResult(prefill, decode, self.step, wp.predicted_step_time if wp else float("nan"),
-                          time.perf_counter() - self.t0, self.tier, wp.draft if wp else True)
+                          time.perf_counter() - self.t0, self.tier)
 
 
 class Executor:
     """Launches steps: the prefill forward and the decode step, graphed where a tier fits."""
 
     def __init__(self, runner: ModelRunner, spec: SpecStep, max_slots: int, scratch: int, device,
-                 cuda_graphs: bool, batch_sizes, token_fractions):
+                 cuda_graphs: bool, batch_sizes, token_fractions, draft_fractions=()):
         self.runner, self.spec, self.device, self.scratch = runner, spec, device, scratch
         self.gamma = spec.gamma
         self.inputs = StaticInputs(max_slots, device, DecodeBatch)
-        self.tiers = tier_list(batch_sizes, self.gamma, token_fractions if spec.mode.trims else (1.0,),
-                               max_slots=max_slots)
-        # plain steps of a trimming mode (the scheduler skips the drafter): one row per request
-        self.plain_tiers = tier_list(batch_sizes, 0, max_slots=max_slots) if spec.mode.trims and self.gamma else []
+        fractions = token_fractions if spec.mode.trims else (1.0,)
+        # the tiers of each share of drafting rows (WindowPlan.draft): 1 = every row drafts;
+        # with the cost scheduler's partial drafting also ceil(f * slots) rows, and 0 (a plain
+        # step: one row per request)
+        self.draft_tiers = {1.0: tier_list(batch_sizes, self.gamma, fractions, max_slots=max_slots)}
+        if spec.mode.trims and self.gamma:
+            self.draft_tiers[0.0] = tier_list(batch_sizes, 0, max_slots=max_slots)
+            for f in draft_fractions:
+                self.draft_tiers[f] = sorted({(b, b + math.ceil(tf * math.ceil(f * b) * self.gamma))
+                                              for b in batch_sizes if b <= max_slots for tf in fractions})
+        self.tiers = self.draft_tiers[1.0]
         self.graphs = RaggedGraphs(self._decode, self.inputs, self.tiers, device, cuda_graphs, scratch)
         self.steps = 0
         self.cuda = torch.device(device).type == "cuda"
         self.no_samples = torch.zeros(0, dtype=torch.long, device=device)     # a step without prefill
-        self._tier_of: dict[tuple[int, int], tuple[int, int]] = {}           # (requests, tokens) -> tier
+        self._tier_of: dict[tuple, tuple[int, int]] = {}                    # (requests, tokens, draft) -> tier
 
-    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool, draft: bool = True):
+    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool, draft: float = 1.0):
         return self.spec(batch, tokens, greedy_only, truncates, draft).pack()
+
+    def variant(self, plan: StepPlan) -> tuple:
+        """The graph variant of a plan: the sampling code it needs, and its share of drafting rows."""
+        d = plan.windows.draft
+        return (plan.greedy_only, plan.truncates) if d == 1.0 else (plan.greedy_only, plan.truncates, d)
 
     def tokens_needed(self, plan: StepPlan) -> int:
         """Verify rows of the decode batch, an upper bound known on the host."""
         g, w, R = self.gamma, plan.windows, len(plan.decode_slots)
-        if not w.draft:
-            return R
+        if w.draft < 1.0:                 # a share of the rows drafts (none: a plain step); trimming
+            return R + min(w.budget, math.ceil(w.draft * R) * g)
         if not self.spec.mode.verifies_window:
             return R * (1 + g)
         drafts = int(np.minimum(w.window_cap, g).sum()) if w.window_cap is not None else R * g
@@ -170,11 +183,10 @@ class Executor:
         R = len(plan.decode_slots)
         if R:
             w, need = plan.windows, (R, self.tokens_needed(plan))
-            variant = (plan.greedy_only, plan.truncates) if w.draft else (plan.greedy_only, plan.truncates, False)
-            tier = self._tier_of.get((need, w.draft))
+            variant = self.variant(plan)
+            tier = self._tier_of.get((*need, w.draft))
             if tier is None:                  # the tiers are fixed: a pair always picks the same one
-                tier = self._tier_of[(need, w.draft)] = \
-                    pick_tier(self.tiers if w.draft else self.plain_tiers, *need) or need
+                tier = self._tier_of[(*need, w.draft)] = pick_tier(self.draft_tiers.get(w.draft, ()), *need) or need
             self.inputs.write(plan.decode_slots, self.scratch, tier[0], w.window_cap, self.gamma, w.budget, w.trim)
             decode = self.graphs.run(tier, variant)
         if sampled is None:

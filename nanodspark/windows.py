@@ -8,7 +8,7 @@ learns from results is also an observer: `observe` sees each step's applied rows
 * `StaticWindows`: full blocks for everyone (verify_mode static, or no cost table).
 * `CostWindows`: the cost scheduler (cost_scheduler.py): a budget from confidences `lag` steps
   old, pushed into its relay here as each step is committed; with a plain step-cost table, a
-  plain step (no drafter pass) where drafting does not pay at all.
+  step where only the most confident requests run the drafter's pass, or none (a plain step).
 * `ForcedWindows`: windows chosen by a function of the requests (tests and the step-cost
   profile; never built by the engine itself).
 
@@ -43,16 +43,17 @@ class CostWindows(WindowPolicy):
         self.scheduler, self.gamma = scheduler, scheduler.gamma
 
     def plan(self, rows: DecodeRows, step: int) -> WindowPlan:
-        if not self.scheduler.drafting_pays(rows.slots, rows.generations, step):
-            R = len(rows.slots)                 # a plain step: no drafter, no window, no budget to size
-            return WindowPlan(0, True, None, self.scheduler.plain_table.predict(R, 0), draft=False)
+        c = self.scheduler.draft_choice(rows.slots, rows.generations, step)
+        if c is not None:                       # some rows (none: a plain step) skip the drafter's pass
+            return WindowPlan(c.budget, True, None, c.predicted, draft=c.fraction,
+                              order=c.order if c.fraction > 0 else None)
         budget, trim, predicted = self.scheduler.budget(rows.slots, rows.generations, step)
         return WindowPlan(budget, trim, None, predicted)
 
     def observe(self, result) -> None:
         d = result.decode
         if d is not None and len(d.slots):
-            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, result.drafted)
+            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, d.out.drafted != 0)
 
 
 class ForcedWindows(WindowPolicy):

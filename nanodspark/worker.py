@@ -90,19 +90,21 @@ class Worker:
             spec.synthetic = SyntheticAcceptance.parse(cfg.synthetic_acceptance)
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
-                                 cfg.graph_batch_sizes, cfg.graph_token_fractions)
+                                 cfg.graph_batch_sizes, cfg.graph_token_fractions,
+                                 cfg.verify_draft_fractions if cfg.verify_plain_steps else ())
 
-    def capture(self, plain_steps: bool = False) -> None:
+    def capture(self, plain_steps: bool = False, shares=()) -> None:
         """Tune the skinny GEMMs, then capture the decode step's graphs (CUDA only); with
-        `plain_steps` also the plain step (no drafter pass) at one row per request."""
+        `plain_steps` also the plain step (one row per request) and the steps where only a
+        share of the rows drafts (`shares`)."""
         if self.device.type == "cuda" and self.backend == "triton":
             self._tune_gemms()
         g = self.executor.graphs
         if g.use_graphs:
             g.capture([(True, False), (False, False)], progress=self.config.use_tqdm)
-            if plain_steps and self.executor.plain_tiers:
-                g.capture([(True, False, False), (False, False, False)], progress=self.config.use_tqdm,
-                          tiers=self.executor.plain_tiers)
+            for f, tiers in self.executor.draft_tiers.items():
+                if plain_steps and (f == 0.0 or f in shares):
+                    g.capture([(True, False, f), (False, False, f)], progress=self.config.use_tqdm, tiers=tiers)
 
     def _tune_gemms(self) -> None:
         """Record the GEMM shapes of every decode tier and let the skinny kernel take those it

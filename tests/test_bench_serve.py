@@ -364,6 +364,26 @@ def test_a_shape_with_random_weights_runs_the_sweep_under_a_synthetic_law(tmp_pa
     acc = {r["mode"]: r["accounting"] for r in saved["runs"]}
     per_step = {m: a["verify_rows"] / a["decode_request_steps"] for m, a in acc.items()}
     assert per_step["compact"] < per_step["static"] and all(r["errors"] == 0 for r in saved["runs"])
+    # with the target's own profile beside a table where the drafter's pass is dear per row,
+    # compact lets only the confident requests draft; compact-no-partial drafts all or none
+    name = "tiny-dense (random weights)"
+    CostTable({(b, k): 1e-3 * (1 + 0.4 * b + 0.02 * k) for b in (1, 2, 4) for k in range(0, 7 * b + 1)},
+              model_name=name, dtype="torch.float32", device="cpu").save(tmp_path / "p.json")
+    CostTable({(b, 0): 1e-3 * (1 + 0.1 * b) for b in (1, 2, 4)}, model_name=f"{name} (no drafter)",
+              dtype="torch.float32", device="cpu").save(tmp_path / "p.json")
+    for f in (0.25, 0.5, 0.75):
+        d = lambda b: -(-b * f // 1)        # noqa: E731  (ceil(f * b) rows draft)
+        CostTable({(b, k): 1e-3 * (1 + 0.1 * b + 0.4 * d(b) + 0.02 * k) for b in (1, 2, 4)
+                   for k in range(0, int(d(b)) * 7 + 1)},
+                  model_name=f"{name} (draft {f:g})", dtype="torch.float32", device="cpu").save(tmp_path / "p.json")
+    args = build_parser().parse_args([
+        "serve", "--shape", "tiny-dense", "--synthetic-acceptance", "0.05:0.99", "--systems", "compact",
+        "compact-no-partial", "--cost-table", str(tmp_path / "p.json"), "--concurrency", "4", "--prompts", "8",
+        "--prompt-tokens", "24", "--output-len", "48", "--warmup-s", "0", "--warmup-round-s", "0", "--num-requests",
+        "8", "--kv-gb", "0.05", "--out", str(tmp_path / "partial.json")])
+    bsv.serve_bench(args)
+    acc = {r["mode"]: r["accounting"] for r in json.loads((tmp_path / "partial.json").read_text())["runs"]}
+    assert acc["compact"]["partial_steps"] > 0 and acc["compact-no-partial"]["partial_steps"] == 0
     with pytest.raises(ValueError, match="load_format='dummy'"):
         bsv.serve_bench(build_parser().parse_args(["serve", "--systems", "static", "--synthetic-acceptance",
                                                    "0.5:0.6", "--concurrency", "1", "--kv-gb", "0.05"]))

@@ -450,7 +450,7 @@ def test_spec_metrics_read_mid_run_equal_a_step_by_step_update():
         conf[rng.random((R, g)) < 0.05] = np.nan
         z = np.zeros(R, np.int64)
         out = DecodeOut(np.zeros((R, g + 1), np.int64), np.zeros((R, g), np.int64), count, z + g, z + g, z, z + 1,
-                        conf, conf)
+                        z + 1, conf, conf)
         m.observe(StepResult([], DecodeRows(np.arange(R), z, out), step, seconds=0.001))
         for c, row in zip(count.tolist(), conf.astype(np.float64)):        # the unbatched update, row by row
             a = c - 1
@@ -507,3 +507,66 @@ def test_drafting_pays_only_where_the_plain_step_does_not_win():
         assert s.drafting_pays(range(8), range(8), step=2) is pays, (plain is cheap, survival)
     static = CostScheduler(4, 8, mode="static", cost_table=spec, plain_table=cheap)
     assert static.drafting_pays(range(8), range(8), step=2)
+
+
+def test_draft_choice_lets_the_confident_half_draft_computed_by_hand():
+    """R = 4, gamma 2; every row drafting: T(4, K) = 26 ms + 1 ms per draft; the target alone
+    20 ms; a share f drafting (ceil(4 f) rows), as profiled: 20 ms + 1.5 ms a drafting row + 1 ms
+    per draft. Rows 1 and 3 have c = 0.9 (survivals .9, .81), rows 0 and 2 c = 0.1. Expected
+    tokens per second:
+      none  4 / 20 ms                                    = 200
+      1 row (.9, .81)      5.71 / (21.5 + 2) ms          = 243.0
+      2 rows, K = 4        7.42 / (23 + 4) ms            = 274.8   <- best
+      3 rows, K = 4        7.42 / (24.5 + 4) ms          = 260.4
+      all,    K = 4        7.42 / (26 + 4) ms            = 247.3   (274.8 > 1.04 * 247.3)
+    The two confident rows draft (first in the order), the budget is their 4 drafts, priced 27 ms."""
+    spec = CostTable({(4, k): 1e-3 * (26 + k) for k in range(9)})
+    plain = CostTable({(4, 0): 20e-3})
+    shares = {f: CostTable({(4, k): 1e-3 * (20 + 1.5 * d + k) for k in range(2 * d + 1)})
+              for f, d in ((0.25, 1), (0.5, 2), (0.75, 3))}
+    confs = np.array([[0.1, 0.1], [0.9, 0.9], [0.1, 0.1], [0.9, 0.9]], np.float32)
+    s = CostScheduler(2, 4, mode="compact", cost_table=spec, plain_table=plain, share_tables=shares)
+    s.record(0, range(4), range(4), confs)
+    c = s.draft_choice(range(4), range(4), step=2)
+    assert c.fraction == 0.5 and sorted(c.order[:2].tolist()) == [1, 3] and c.budget == 4
+    assert c.predicted == pytest.approx(27e-3)
+    assert s.drafting_pays(range(4), range(4), step=2)
+    # a dearer profile of a share changes the choice: half drafting at a flat 40 ms (7.42 / 44 ms
+    # = 168) loses to three rows drafting (7.42 / 28.5 ms = 260.4 > 1.04 * 247.3)
+    m = CostScheduler(2, 4, mode="compact", cost_table=spec, plain_table=plain,
+                      share_tables={**shares, 0.5: CostTable({(4, k): 40e-3 for k in range(5)})})
+    m.record(0, range(4), range(4), confs)
+    c = m.draft_choice(range(4), range(4), step=2)
+    assert c.fraction == 0.75 and c.budget == 4 and c.predicted == pytest.approx(28.5e-3)
+    # every row confident: drafting all of them beats any share, so no choice is made (the budget decides)
+    s.record(3, range(4), range(4), np.full((4, 2), 0.9, np.float32))
+    assert s.draft_choice(range(4), range(4), step=5) is None
+    # no share profiled: only "none" is left, and here drafting pays, so no choice either
+    t = CostScheduler(2, 4, mode="compact", cost_table=spec, plain_table=plain)
+    t.record(0, range(4), range(4), confs)
+    assert t.draft_choice(range(4), range(4), step=2) is None
+    with pytest.raises(ValueError, match="draft shares"):
+        CostScheduler(2, 4, mode="compact", cost_table=spec, plain_table=plain, share_tables={1.0: spec})
+
+
+def test_the_relay_carries_forward_only_the_rows_that_did_not_draft():
+    """A step where some rows drafted: those push their fresh confidences, the others carry their
+    last ones (drafted given per row)."""
+    relay = ConfidenceRelay(max_slots=3, gamma=2, lag=1)
+    relay.push(0, [0, 1, 2], [1, 1, 1], np.array([[0.5, 0.5], [0.8, 0.8], [0.2, 0.2]], np.float32))
+    relay.push(1, [2, 0, 1], [1, 1, 1], np.array([[0.9, 0.9], [0.0, 0.0], [0.0, 0.0]], np.float32),
+               drafted=np.array([True, False, False]))
+    got = relay.lagged_np([0, 1, 2], [1, 1, 1], step=2)
+    assert np.allclose(got, [[0.5, 0.25], [0.8, 0.64], [0.9, 0.81]])
+
+
+def test_a_request_without_lagged_confidences_counts_as_the_mean_when_choosing_who_drafts():
+    """The budget treats a missing entry as survival 1.0 (verify everything: safe); the choice of
+    who drafts treats it as the running mean, so newly admitted requests do not look certain."""
+    relay = ConfidenceRelay(max_slots=4, gamma=2, lag=1)
+    relay.push(0, [0, 1], [1, 1], np.array([[0.9, 0.9], [0.3, 0.3]], np.float32))
+    mean = 0.9 * 1.0 + 0.1 * np.array([0.6, 0.6])
+    got = relay.lagged_np([0, 1, 2], [1, 1, 1], step=1, prior=True)
+    assert np.allclose(got[:2], [[0.9, 0.81], [0.3, 0.09]]) and np.allclose(got[2], np.cumprod(mean))
+    assert np.allclose(relay.lagged_np([2], [1], step=1), [[1.0, 1.0]])
+    assert np.allclose(relay.lagged_np([2], [1], step=0, prior=True), [np.cumprod(relay.mean)])

@@ -2,6 +2,7 @@
 for step (on a virtual clock, so no timing is asserted), a sweep predicted within a stated error,
 the recorder, the scaled traces and the calibration."""
 import json
+import math
 import shutil
 
 import numpy as np
@@ -140,8 +141,16 @@ def pair(tiny_dir, tmp_path_factory):
     table = CostTable({(b, k): 0.030 + 0.004 * b + 0.010 * k for b in (1, 2, 3, 4) for k in range(0, 3 * b + 1)},
                       model_name=str(d / "pair"), dtype="torch.float32", device="cpu")
     table.save(d / "cost.json")
-    plain_table = CostTable({(b, 0): 0.025 + 0.004 * b for b in (1, 2, 3, 4)})
-    cost = StepCost(table, plain_table, host_s=0.002, prefill_s=0.01, prefill_token_s=2e-4)
+    plain_table = CostTable({(b, 0): 0.025 + 0.004 * b for b in (1, 2, 3, 4)}, model_name=f"{d / 'pair'} (no drafter)",
+                            dtype="torch.float32", device="cpu")
+    plain_table.save(d / "cost.json")        # the engine's compact reads it too: partial drafting, plain steps
+    shares = {f: CostTable({(b, k): 0.025 + 0.004 * b + 0.005 * math.ceil(f * b) / b + 0.010 * k
+                            for b in (1, 2, 3, 4) for k in range(0, 3 * math.ceil(f * b) + 1)},
+                           model_name=f"{d / 'pair'} (draft {f:g})", dtype="torch.float32", device="cpu")
+              for f in (0.25, 0.5, 0.75)}
+    for t in shares.values():
+        t.save(d / "cost.json")
+    cost = StepCost(table, plain_table, host_s=0.002, prefill_s=0.01, prefill_token_s=2e-4, shares=shares)
     return {"dir": d / "pair", "table": d / "cost.json", "work": work, "conts": conts, "cost": cost, "plain": plain}
 
 
@@ -185,6 +194,8 @@ def test_the_simulator_follows_the_engine_step_for_step_on_its_own_traces(pair, 
     a, b = summarize(run), summarize(sim)
     assert a["total_tok_s"] == b["total_tok_s"] and a["per_user_tok_s"] == b["per_user_tok_s"]
     assert a["engine_steps"] == b["engine_steps"] >= 4
+    if system == "compact":          # the table lets only some requests draft (or none) at times
+        assert run.extra["accounting"]["partial_steps"] >= 1
     if system == "static":
         # censored only where the length limit cut a request's last step short of the full block
         assert 1.3 < traces.tau() < 3.9 and all((r.full[:-1] >= 0).all() for r in traces.requests)
@@ -210,7 +221,7 @@ def test_calibrate_recovers_the_overheads_of_a_run_priced_by_the_table(pair, mea
     host term back from the runs' accounting, and prefill terms that price their prefill steps
     exactly (the fixed and per-row terms separate only over runs of other prefill shapes)."""
     runs = [{"mode": s, **summarize(measured[s][0])} for s in ("static", "compact")]
-    fit = calibrate({"runs": runs}, StepCost(pair["cost"].table, pair["cost"].plain))["spec"]
+    fit = calibrate({"runs": runs}, StepCost(pair["cost"].table, pair["cost"].plain, shares=pair["cost"].shares))["spec"]
     assert fit["host_s"] == pytest.approx(0.002, rel=1e-6)
     acc = runs[0]["accounting"]
     n, rows = acc["mixed_steps"] + acc["prefill_only_steps"], acc["prefill_rows"]
@@ -288,7 +299,8 @@ def test_the_recorder_marks_a_fully_accepted_trimmed_window_as_censored():
     rows = [("a", 4, 4, 2, 2), ("b", 2, 2, 1, 1), ("c", 2, 2, 2, 2), ("d", 2, 4, 1, 3)]
     col = lambda i: np.array([r[i] for r in rows], dtype=np.int64)      # noqa: E731
     out = DecodeOut(np.zeros((4, 5), np.int64), np.zeros((4, 4), np.int64), col(3) + 1, col(1), col(2), col(4),
-                    np.ones(4, np.int64), np.full((4, 4), 0.5, np.float32), np.zeros((4, 4), np.float32))
+                    np.ones(4, np.int64), np.ones(4, np.int64), np.full((4, 4), 0.5, np.float32),
+                    np.zeros((4, 4), np.float32))
     decode = DecodeRows(np.arange(4), np.zeros(4, np.int64), out, np.array([NS(request_id=r[0]) for r in rows]))
     s = step_arrays(NS(step=3, seconds=0.1, decode=decode, prefill=[]), 4)
     assert full_block_accepted(s, 4).tolist() == [2, 1, -3, 3]      # full; rejection seen; censored (>= 2); ceiling
@@ -350,3 +362,20 @@ def test_a_plain_step_is_priced_as_no_speculation():
                     CostTable({(b, 0): 1e-3 for b in (1, 8)}))
     assert cost.decode_seconds(8, -1) == pytest.approx(1e-3)
     assert cost.decode_seconds(8, 0) == pytest.approx(3e-3) and cost.decode_seconds(8, 0, spec=False) == pytest.approx(1e-3)
+
+
+def test_a_cost_file_names_its_partial_step_profiles_apart(tmp_path):
+    """One cost file holds the speculative table, the target's own and the partial steps'
+    ("(draft F)"): each loader finds its own, and a partial step of ceil(F * R) drafting rows is
+    priced by F's profile, any other count by the table of every row drafting (an upper bound)."""
+    from nanodspark.lab.simulate import load_shares, load_table
+    path = tmp_path / "c.json"
+    CostTable({(4, k): 1e-3 * (26 + k) for k in range(9)}, model_name="m").save(path)
+    CostTable({(4, 0): 20e-3}, model_name="m (no drafter)").save(path)
+    CostTable({(4, k): 50e-3 for k in range(5)}, model_name="m (draft 0.5)").save(path)
+    spec, plain, shares = load_table(path), load_table(path, plain=True), load_shares(path)
+    assert spec.predict(4, 2) == pytest.approx(28e-3) and plain.predict(4, 0) == pytest.approx(20e-3)
+    assert list(shares) == [0.5] and shares[0.5].predict(4, 1) == pytest.approx(50e-3)
+    cost = StepCost(spec, plain, shares=shares)
+    assert cost.decode_seconds(4, 2, drafting=2) == pytest.approx(50e-3)          # ceil(0.5 * 4) rows
+    assert cost.decode_seconds(4, 2, drafting=1) == pytest.approx(28e-3)

@@ -3,6 +3,7 @@ states holds (per-draft survival, the window, the cap, the target's token after 
 drafts), it is refused where it would change a checkpoint's output, and an engine on a shape with
 random weights commits as many tokens per step as the law says, with its rate as confidence."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -78,3 +79,42 @@ def test_an_engine_on_random_weights_commits_what_the_law_says(tmp_path):
     full = np.concatenate([s.accepted[s.verified == eng.gamma] for s in steps if len(s.accepted)])
     tau = SyntheticAcceptance.parse(law).expected_tau(eng.gamma)
     assert len(full) > 500 and abs(full.mean() + 1 - tau) < 0.25
+
+
+def test_compact_lets_the_confident_requests_draft_alone(tmp_path):
+    """Requests of mixed acceptance (law 0.05-0.99) under a profile where the drafter's pass costs
+    more per row than a doubtful request gains: compact runs steps where only a share of the
+    requests drafts (the ledger counts them), and the drafts of those steps are accepted more
+    than twice as often as those of the steps where every request drafted (no lagged
+    confidences yet), because the requests that draft alone are the confident ones."""
+    from nanodspark.cost_table import CostTable
+    from nanodspark.lab.shapes import materialize
+    from nanodspark.lab.traces import StepLedger, account
+    import time
+    model = materialize("tiny-dense", tmp_path / "tiny-dense")
+    name, path = "tiny-dense (random weights)", tmp_path / "cost.json"
+    kw = dict(load_format="dummy", synthetic_acceptance="0.05:0.99", use_tqdm=False, max_num_seqs=16,
+              enable_prefix_cache=False, max_model_len=512)
+    probe = LLM(str(model), **kw).engine
+    g, dtype, device = probe.gamma, str(probe.dtype), probe.device.type
+    del probe
+    sizes = (1, 2, 4, 8, 16)
+    CostTable({(b, k): 1e-3 * (1 + 0.1 * b + 0.3 * b + 0.02 * k) for b in sizes for k in range(0, b * g + 1)},
+              model_name=name, dtype=dtype, device=device).save(path)
+    CostTable({(b, 0): 1e-3 * (1 + 0.1 * b) for b in sizes}, model_name=f"{name} (no drafter)", dtype=dtype,
+              device=device).save(path)
+    for f in (0.25, 0.5, 0.75):              # the partial steps' own profiles
+        d = lambda b: math.ceil(f * b)      # noqa: E731
+        CostTable({(b, k): 1e-3 * (1 + 0.1 * b + 0.3 * d(b) + 0.02 * k) for b in sizes for k in range(0, d(b) * g + 1)},
+                  model_name=f"{name} (draft {f:g})", dtype=dtype, device=device).save(path)
+    llm = LLM(str(model), **kw, verify_mode="compact", cost_table=str(path))
+    ledger = StepLedger.attach(llm.engine, time.monotonic)
+    outs = llm.generate([[5 + i, 9, 11] for i in range(16)], SamplingParams(temperature=0, max_tokens=80,
+                                                                            ignore_eos=True))
+    assert account(ledger, -np.inf, np.inf, [])["partial_steps"] > 5
+    t = ledger.table()
+    share = (t["drafting"] > 0) & (t["drafting"] < t["decode"])
+    every = (t["drafting"] == t["decode"]) & (t["decode"] > 0)
+    rate = lambda m: t["accepted"][m].sum() / t["verified"][m].sum()     # noqa: E731
+    assert every.any() and rate(share) > 2 * rate(every)      # the drafting share is the confident one
+    assert all(len(o.token_ids) == 80 for o in outs)

@@ -2,6 +2,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -314,6 +315,49 @@ class AlternatePlain:
 
     def observe(self, result):
         pass
+
+
+class CyclePartial:
+    """A window policy cycling through every row drafting, a share drafting, none drafting; the
+    drafting rows are a shuffled pick (the plan's `order`), so any row may be first or skip."""
+
+    def __init__(self, gamma, shares=(1.0, 0.5, 0.0, 0.25)):
+        self.gamma, self.shares, self.rng = gamma, shares, np.random.default_rng(7)
+        self.partial_rows = 0
+
+    def plan(self, rows, step):
+        from nanodspark.step import WindowPlan
+        R, f = len(rows.slots), self.shares[step % len(self.shares)]
+        order = self.rng.permutation(R) if 0 < f < 1 else None
+        self.partial_rows += (0 < f < 1) * (R - int(np.ceil(f * R)))
+        return WindowPlan(R * self.gamma, False, draft=f, order=order)
+
+    def observe(self, result):
+        pass
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "coupled-sampled"])
+def test_a_share_of_the_rows_drafting_keeps_target_only_tokens(tiny_dir, drafter_dir, sampled):
+    """Steps where only some requests (a shuffled pick) run the drafter's pass, between full and
+    plain steps: the tokens are target-only decoding's (greedy; and seeded sampling with coupled
+    noise), the rows that did not draft count no drafts, and no KV block leaks."""
+    ps = prompts(5, 8192, seed=41, lo=4, hi=40)       # 5 rows in a tier of 8: its drafter pass covers more rows
+    if sampled:
+        params = [SamplingParams(max_tokens=16, ignore_eos=True, seed=200 + i, temperature=1.0) for i in range(5)]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path="none").generate(ps, params)]
+    llm = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path=str(drafter_dir), coupled_sampling=sampled,
+              enable_prefix_cache=False)
+    policy = llm.engine.windows = CyclePartial(llm.engine.gamma)
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == want
+    g = llm.engine.gamma
+    steps, drafted = sum(o.spec["steps"] for o in outs), sum(o.spec["drafted"] for o in outs)
+    assert policy.partial_rows > 0 and drafted < steps * g and drafted % g == 0
+    assert all(o.spec["verified"] <= o.spec["drafted"] for o in outs)
+    assert sum(o.spec["accepted"] for o in outs) > 0 or not sampled     # coupled drafts are taken
+    check_no_leak(llm)
 
 
 def _draft_context(llm, prompt, n):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def profiled_loop(eng, loop: str) -> bool:
 
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
                       context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False,
-                      loop: str = "sync"):
+                      loop: str = "sync", draft_fraction: float = 1.0):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`ForcedWindows` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
@@ -86,7 +87,10 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     Unless `commit_drafts`, no draft is committed (accept cap 0): every step
     then commits one token per request at every K, so the table holds the cost of *verifying*
     K tokens and not the per-token work of committing more of them, which the scheduler must
-    not count (speculative.py says why; on the H200 it was most of bs 256's rise with K)."""
+    not count (speculative.py says why; on the H200 it was most of bs 256's rise with K).
+
+    `draft_fraction` < 1: only the first ceil(fraction * bs) requests run the drafter's pass and
+    the K drafts are theirs (`ForcedShare`): the cost of the cost scheduler's partial steps."""
     import random
     from ..sampling import SamplingParams
     from ..verify import VerifyMode
@@ -103,6 +107,13 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     eng.overlap = profiled_loop(eng, loop)
     if not commit_drafts:
         use_mode(eng, VerifyOnly())
+    if draft_fraction < 1.0:
+        tiers = eng.executor.draft_tiers.get(draft_fraction)
+        if tiers is None:
+            raise ValueError(f"draft fraction {draft_fraction} is not one of the engine's "
+                             f"verify_draft_fractions {eng.config.verify_draft_fractions}")
+        if eng.executor.graphs.graphs:        # the partial step's graphs, with the profile's verify mode
+            eng.executor.graphs.capture([(True, False, draft_fraction)], progress=False, tiers=tiers)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
@@ -147,8 +158,11 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     def run_step(bs: int, k: int) -> None:
         if state["bs"] != bs:
             prepare(bs, k)
-        eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
-                                                      for r in range(len(rs))])
+        if draft_fraction < 1.0:
+            eng.windows = ForcedShare(gamma, k, draft_fraction)
+        else:
+            eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
+                                                          for r in range(len(rs))])
         eng.step()
         if not eng.overlap:
             sync()
@@ -167,6 +181,28 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     run_step.prepare = prepare
     run_step.state = state
     return run_step
+
+
+class ForcedShare:
+    """The profile's window policy for a partial step: the first ceil(fraction * R) requests
+    draft, and K drafts are spread over them as evenly as it goes."""
+
+    def __init__(self, gamma: int, k: int, fraction: float):
+        self.gamma, self.k, self.fraction = gamma, k, fraction
+
+    def plan(self, rows, step):
+        import math
+        import numpy as np
+        from ..step import WindowPlan
+        R = len(rows.slots)
+        D = min(R, math.ceil(self.fraction * R))
+        caps = np.zeros(R, dtype=np.int64)
+        if D:
+            caps[:D] = np.minimum(self.gamma, self.k // D + (np.arange(D) < self.k % D))
+        return WindowPlan(int(caps.sum()), False, caps, draft=self.fraction)
+
+    def observe(self, result) -> None:
+        pass
 
 
 class VerifyOnly:
@@ -215,7 +251,11 @@ def profile(args) -> dict:
     if llm.engine.drafter is None:
         raise SystemExit("profiling needs a drafter (the target alone has no verify step)")
     g = llm.engine.gamma
-    ks = lambda bs: k_grid(bs, g, getattr(args, "k_points", DEFAULT_K_POINTS))   # noqa: E731
+    f = getattr(args, "draft_fraction", 1.0)
+    if not 0.0 < f <= 1.0:
+        raise SystemExit(f"--draft-fraction must lie in (0, 1], not {f}")
+    # a partial step (f < 1) verifies the drafts of its ceil(f * bs) drafting requests only
+    ks = lambda bs: k_grid(math.ceil(f * bs), g, getattr(args, "k_points", DEFAULT_K_POINTS))   # noqa: E731
     print_plan(args, {b: ks(b) for b in args.batch_sizes})
     prompts = None
     if getattr(args, "prompts", "random") == "mix":
@@ -223,14 +263,16 @@ def profile(args) -> dict:
         prompts = [llm.tokenizer.encode(p.render()) for p in ps]
     loop = getattr(args, "loop", "auto")
     runner = whole_step_runner(llm, args.context, prompts,
-                               commit_drafts=getattr(args, "acceptance", "none") == "traffic", loop=loop)
+                               commit_drafts=getattr(args, "acceptance", "none") == "traffic", loop=loop,
+                               draft_fraction=f)
     try:
         table = profile_step_cost(runner, args.batch_sizes, ks,
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
                                   estimator=getattr(args, "estimator", "rounds"),
                                   trend_z_min=None if getattr(args, "no_trend_gate", False)
                                   else getattr(args, "trend_z", DEFAULT_TREND_Z),
-                                  model_name=source["model_name"], dtype=str(llm.engine.dtype),
+                                  model_name=source["model_name"] + (f" (draft {f:g})" if f < 1 else ""),
+                                  dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
         getattr(runner, "close", lambda: None)()
@@ -400,6 +442,9 @@ def add_profile_args(p) -> None:
     p.add_argument("--k-points", type=int, default=DEFAULT_K_POINTS,
                    help="extra-verify-token values per batch size (evenly spaced up to bs * gamma)")
     p.add_argument("--repeats", type=int, default=5, help="rounds per point; the estimator combines them")
+    p.add_argument("--draft-fraction", type=float, default=1.0,
+                   help="profile the cost scheduler's partial step: only this share of the batch drafts "
+                        "(one of the engine's verify_draft_fractions); the table is keyed '<model> (draft F)'")
     add_loop_arg(p)
     p.add_argument("--kv-gb", type=float, default=0.0,
                    help="KV cache memory (GiB); 0 = sized for the largest batch at the context")

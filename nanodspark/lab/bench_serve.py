@@ -73,11 +73,14 @@ SYSTEMS = {
                         ["--verify-mode", "compact", "--verify-min-gain", "1e9"], True),
     "compact-no-plain": ({"verify_mode": "compact", "verify_plain_steps": False},
                          ["--verify-mode", "compact", "--no-verify-plain-steps"], True),
+    "compact-no-partial": ({"verify_mode": "compact", "verify_draft_fractions": ()},
+                           ["--verify-mode", "compact", "--verify-draft-fractions", "[]"], True),
     "static-b": ({"verify_mode": "static"}, ["--verify-mode", "static"], False),   # the A/A control
 }
 # paired ratios reported per concurrency: (numerator, denominator)
 PAIRS = (("static", "no-spec"), ("compact", "no-spec"), ("compact", "static"), ("static-b", "static"),
-         ("compact-no-trim", "static"), ("compact-no-plain", "no-spec"), ("compact", "compact-no-plain"))
+         ("compact-no-trim", "static"), ("compact-no-plain", "no-spec"), ("compact", "compact-no-plain"),
+         ("compact-no-partial", "no-spec"), ("compact", "compact-no-partial"))
 
 
 # ----------------------------------------------------------------------------- the work
@@ -228,7 +231,7 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
             n_rows = len(ledger.rows)
             outs = engine.step()
             if cost is not None:     # the virtual machine: every step committed in this call costs its price
-                now_v[0] += sum(cost.step_seconds(int(r[3]), int(r[6]), int(r[7]), engine.gamma > 0)
+                now_v[0] += sum(cost.step_seconds(int(r[3]), int(r[6]), int(r[7]), engine.gamma > 0, int(r[11]))
                                 for r in ledger.rows[n_rows:])
             b = clock()
             calls.append((a, b))

@@ -381,6 +381,46 @@ FIGURES = [
                           for m in ("compact", "compact-no-plain"))]],
            [{"c": c} for c in (1, 16, 64, 128, 256)]),
 
+    Figure("thesis-8b-partial", {"s": "benchmarks/steady_state_qwen3_8b_partial_h200.json"},
+           H200 + "; the law 0.475–0.97 and the work of the first table, compact reading the cost file that holds "
+           "the profiles of steps where a quarter and a half of the batch draft (`bench profile --draft-fraction`) "
+           "beside the full and the target's own, in one call",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "compact's steps: some drafting · none drafting · all"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
+            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+           [{"c": c} for c in (1, 16, 64, 128, 256)]),
+
+    Figure("thesis-8b-partial-ab", {"p": "benchmarks/steady_state_qwen3_8b_partial_vs_plain_h200.json"},
+           H200 + "; the same law, work and cost file, compact with and without partial drafting "
+           "(`compact-no-partial`: every request drafts, or none), in one call",
+           ["concurrency", "no-spec tok/s", "compact tok/s", "without partial drafting, tok/s", "compact / no-spec",
+            "without / no-spec", "compact / without", "compact's steps: some drafting · none drafting · all"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact", "compact-no-partial")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("compact/no-spec", "compact-no-partial/no-spec",
+                                                              "compact/compact-no-partial")]
+            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+           [{"c": c} for c in (64, 128, 256)]),
+
+    Figure("thesis-8b-partial-c256", {"f": "benchmarks/steady_state_qwen3_8b_partial_c256_h200.json"},
+           H200 + "; the same at 256 only, the engine as it is now (a request without lagged confidences counts as "
+           "the batch's mean when choosing who drafts), one call",
+           ["concurrency", "compact tok/s", "without partial drafting, tok/s", "compact / without",
+            "compact's steps: some drafting · none drafting · all"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("compact", "compact-no-partial")]
+            + [f"<{_PAIRED}|.3f>".replace("{r}", "compact/compact-no-partial")]
+            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+           [{"c": 256}]),
+
+    Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
+           "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
+           "and the static traces of the measured sweep at 128, prefill priced at 5 ms + 30 µs per token (assumed)",
+           ["concurrency", "compact / no-spec", "without partial drafting / no-spec", "compact / without"],
+           [["{c}"] + [f"<p:{_PAIRED}|.3f>".replace("{r}", r) for r in
+                       ("compact/no-spec", "compact-no-partial/no-spec", "compact/compact-no-partial")]],
+           [{"c": c} for c in (64, 128, 256)]),
+
     Figure("thesis-8b-static", {"s": "benchmarks/steady_state_qwen3_8b_law0.30-0.96_h200.json",
                                 "a": "benchmarks/steady_state_qwen3_8b_aa_h200.json"},
            H200 + "; the law of the table above (0.30–0.96), static against compact drafting every step (its cost "

@@ -70,29 +70,50 @@ class StepCost:
     host_s: float = 0.0
     prefill_s: float = 0.0
     prefill_token_s: float = 0.0
+    shares: dict | None = None        # fraction -> T(R, K) with that share drafting (`profile --draft-fraction`)
 
-    def decode_seconds(self, R: int, K: int, spec: bool = True) -> float:
-        """K < 0: a plain step of a speculative engine (the ledger's mark), priced as no speculation."""
+    def decode_seconds(self, R: int, K: int, spec: bool = True, drafting: int | None = None) -> float:
+        """K < 0: a plain step of a speculative engine (the ledger's mark), priced as no speculation.
+        `drafting` < R rows running the drafter's pass: the profile of the share f with
+        ceil(f * R) = drafting rows (as the engine drafts), else `table`'s price (an upper bound)."""
         spec = spec and K >= 0
+        if spec and drafting is not None and drafting < R:
+            f = next((f for f in sorted(self.shares or {}) if math.ceil(f * R) == drafting), None)
+            if f is not None:
+                return self.shares[f].predict(R, K)
         t = self.table if spec or self.plain is None else self.plain
         return t.predict(R, K if spec else 0)
 
-    def step_seconds(self, R: int, K: int, prefill_rows: int, spec: bool = True) -> float:
-        s = self.host_s + (self.decode_seconds(R, K, spec) if R else 0.0)
+    def step_seconds(self, R: int, K: int, prefill_rows: int, spec: bool = True, drafting: int | None = None) -> float:
+        s = self.host_s + (self.decode_seconds(R, K, spec, drafting) if R else 0.0)
         return s + (self.prefill_s + self.prefill_token_s * prefill_rows if prefill_rows else 0.0)
 
 
 def load_table(path, key: str | None = None, plain: bool = False) -> CostTable:
     """The cost table in a JSON file (`CostTable.save`'s layout): the one under `key`, or the
     only one of its kind (`plain`: the target's own, keyed "... (no drafter)"; a file may hold
-    both, as the engine reads them)."""
+    both, as the engine reads them, and the profiles of partial steps, keyed "... (draft F)")."""
     tables = json.loads(Path(path).read_text())
     if key is None:
-        kind = [k for k in tables if k.split("|")[0].endswith("(no drafter)") == plain] or list(tables)
+        kind = [k for k in tables if k.split("|")[0].endswith("(no drafter)") == plain
+                and _share_of(k) is None] or list(tables)
         if len(kind) != 1:
             raise SystemExit(f"{path} holds {len(tables)} tables; name one with --table-key: {list(tables)}")
         key = kind[0]
     return CostTable.from_json(tables[key])
+
+
+def load_shares(path) -> dict[float, CostTable]:
+    """The partial steps' profiles in a cost file (`bench profile --draft-fraction F`), by F."""
+    tables = json.loads(Path(path).read_text())
+    return {_share_of(k): CostTable.from_json(v) for k, v in tables.items() if _share_of(k) is not None}
+
+
+def _share_of(key: str) -> float | None:
+    name = key.split("|")[0]
+    if not name.endswith(")") or "(draft " not in name:
+        return None
+    return float(name[name.rindex("(draft ") + 7:-1])
 
 
 # ----------------------------------------------------------------------------- the simulated engine
@@ -144,9 +165,11 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
     if spec and (traces is None or traces.gamma != g):
         raise ValueError(f"{system} needs traces of gamma {g}")
     compact = system.startswith("compact")
-    plain = cost.plain if system == "compact" else None     # plain steps where drafting does not pay
+    # plain steps, and steps where only some requests draft, where drafting all does not pay
+    plain = cost.plain if system in ("compact", "compact-no-partial") else None
     policy = (CostWindows(CostScheduler(g, max_num_seqs, mode="compact", cost_table=cost.table, lag=lag,
-                                        min_gain=1e9 if system == "compact-no-trim" else min_gain, plain_table=plain))
+                                        min_gain=1e9 if system == "compact-no-trim" else min_gain, plain_table=plain,
+                                        share_tables=None if system == "compact-no-partial" else cost.shares))
               if compact else StaticWindows(g))
     pick = trace_picker(traces if spec else None, len(work.prompts))
     free = list(range(max_num_seqs))[::-1]
@@ -196,21 +219,25 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
         # windows (the engine's policy, the recorded confidences) and the price
         D = [r for r, _ in decode]
         K, windows, conf = 0, np.zeros(len(D), dtype=np.int64), np.zeros((len(D), g), dtype=np.float32)
-        drafted = True
+        drafting = len(D)                                   # rows that run the drafter's pass
         if D and g:
-            conf = np.stack([r.trace.conf[r.pos % len(r.trace.full)] for r in D])
             slots = np.array([r.slot for r in D], dtype=np.int64)
             gens = np.array([r.generation for r in D], dtype=np.int64)
             wp = policy.plan(DecodeRows(slots, gens, None, np.array(D, dtype=object)), step)
+            if wp.order is not None:                        # the drafting rows first, as the engine launches
+                D, slots, gens = [D[i] for i in wp.order], slots[wp.order], gens[wp.order]
+            drafting = min(len(D), math.ceil(wp.draft * len(D)))
+            conf = np.stack([r.trace.conf[r.pos % len(r.trace.full)] for r in D])
+            conf[drafting:] = 0.0                           # no draft, no confidence
             windows = (topk_windows(torch.from_numpy(conf), wp.budget).numpy() if wp.trim
                        else np.full(len(D), g))
             if wp.window_cap is not None:
                 windows = np.minimum(windows, wp.window_cap)
+            windows[drafting:] = 0
             K = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))   # as the ledger prices it
-            drafted = wp.draft
-            if not drafted:                                 # a plain step: the target's own price
-                windows, K = np.zeros(len(D), dtype=np.int64), 0
-        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec and drafted)
+            if not drafting:                                # a plain step: the target's own price
+                K = 0
+        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec and drafting > 0, drafting)
         # commit
         finished = []
         for r, rows in chunks:
@@ -218,9 +245,9 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if r.computed >= r.prompt_len:                  # the last prefill row samples the first token
                 r.out = 1
                 r.rec.chunks.append((t, 1))
-        for r, w in zip(D, windows):
+        for row, (r, w) in enumerate(zip(D, windows)):
             a = 0
-            if g and drafted:
+            if g and row < drafting:
                 full = int(r.trace.full[r.pos % len(r.trace.full)])
                 room = max(0, r.max_tokens - r.out - 1)          # drafts that fit before max_tokens
                 r.verified += min(int(w), room)
@@ -232,8 +259,8 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if r.out >= r.max_tokens and r not in finished:
                 finished.append(r)
         if D and g:                                         # the relay sees the step, as CostWindows.observe
-            policy.observe(SimpleNamespace(step=step, drafted=drafted, decode=SimpleNamespace(
-                slots=slots, generations=gens, out=SimpleNamespace(conf=conf))))
+            policy.observe(SimpleNamespace(step=step, decode=SimpleNamespace(slots=slots, generations=gens, out=SimpleNamespace(
+                conf=conf, drafted=(np.arange(len(D)) < drafting).astype(np.int64)))))
         for r in finished:
             r.rec.end, r.rec.tokens = t, r.out
             steps = len(r.rec.chunks) - 1                      # verify steps: every chunk after the first token
@@ -306,7 +333,8 @@ def calibrate(serve_result: dict, cost: StepCost, by: str = "kind") -> dict:
                 n = sum(acc[f"{k}_steps"] for k in kinds)
                 if not n:
                     continue
-                table_s = sum(c * cost.decode_seconds(R, K, spec) for R, K, c, p in acc["decode_rk"] if p in group)
+                table_s = sum(c * cost.decode_seconds(R, K, spec, *d[:1]) for R, K, c, p, *d in acc["decode_rk"]
+                              if p in group)
                 n_prefill = sum(acc[f"{k}_steps"] for k in ("prefill_only", "mixed") if k in kinds)
                 A.append([n, n_prefill, sum(acc[f"{k}_prefill_rows"] for k in kinds)])
                 y.append(sum(acc[f"{k}_s"] for k in kinds) + client_per_step * n - table_s)
@@ -363,6 +391,7 @@ def simulate(args) -> dict:
     from .bench_serve import make_workload
     table = load_table(args.cost_table, args.table_key)
     plain = load_table(args.plain_table, args.plain_key, plain=True) if args.plain_table else None
+    shares = load_shares(args.cost_table) if plain is not None else None
     if not args.traces and any(s != "no-spec" for s in args.systems):
         raise SystemExit("speculative systems replay acceptance traces: give --traces "
                          "(`bench serve --record-traces DIR`, a static run's)")
@@ -377,8 +406,9 @@ def simulate(args) -> dict:
         measured = json.loads(Path(args.calibrate_from).read_text())
         if args.calibrate_concurrency:       # fit on these runs only (hold the predicted ones out)
             measured["runs"] = [r for r in measured["runs"] if r["concurrency"] in args.calibrate_concurrency]
-        fits = calibrate(measured, StepCost(table, plain), by=args.calibrate_by)
-    costs = {s: StepCost(table, plain, **fits.get("plain" if s == "no-spec" else "spec", base)) for s in args.systems}
+        fits = calibrate(measured, StepCost(table, plain, shares=shares), by=args.calibrate_by)
+    costs = {s: StepCost(table, plain, **fits.get("plain" if s == "no-spec" else "spec", base), shares=shares)
+             for s in args.systems}
     tok = Tokenizer(resolve_model_dir(args.model))
     work = make_workload(tok, args.workload, args.prompts, args.prompt_tokens, args.output_len, args.output_spread,
                          args.seed, args.data_dir)

@@ -47,6 +47,7 @@ class StepArrays:
     prefill_rows: int = 0                # rows of prefill chunks
     recompute_rows: int = 0              # ... of requests that had output already (preempted ones)
     prefill_chunks: int = 0
+    drafted: np.ndarray | None = None    # bool [n]: the drafter's pass ran for the row (None: every row)
 
 
 def step_arrays(result, gamma: int) -> StepArrays:
@@ -62,14 +63,16 @@ def step_arrays(result, gamma: int) -> StepArrays:
         # the leading run of accepted drafts is the full block's acceptance where the whole block was scored
         # (static, cap-accept); a trimmed compact row has none (-1)
         ceiling = np.where(ver >= gamma, o.ceiling, -1).astype(np.int64)
+        drafted = o.drafted != 0
     else:
         ids, conf = [], np.zeros((0, gamma), np.float32)
         win = ver = acc = ceiling = np.zeros(0, np.int64)
+        drafted = np.zeros(0, bool)
     advanced = sum(len(c.chunk.token_ids) for c in chunks)
     recompute = sum(len(c.chunk.token_ids) for c in chunks if c.request is not None and c.request.num_output >
                     (1 if c.token is not None else 0))
     return StepArrays(result.step, float(result.seconds), ids, conf, win, ver, acc, ceiling, advanced, recompute,
-                      len(chunks))
+                      len(chunks), drafted)
 
 
 def full_block_accepted(s: StepArrays, gamma: int) -> np.ndarray:
@@ -160,6 +163,8 @@ class TraceRecorder:
         s = step_arrays(result, self.gamma)
         full = full_block_accepted(s, self.gamma)
         for i, rid in enumerate(s.request_ids):
+            if s.drafted is not None and not s.drafted[i]:     # no draft this step: nothing to record
+                continue
             self.conf.setdefault(rid, []).append(s.conf[i])
             self.full.setdefault(rid, []).append(full[i:i + 1])
 
@@ -173,7 +178,7 @@ class TraceRecorder:
 
 # ----------------------------------------------------------------------------- the ledger
 LEDGER_FIELDS = ("t", "step", "seconds", "decode", "verified", "accepted", "budget", "prefill_rows",
-                 "recompute_rows", "prefill_chunks", "kv_used")
+                 "recompute_rows", "prefill_chunks", "kv_used", "drafting")
 
 
 class StepLedger:
@@ -183,8 +188,9 @@ class StepLedger:
     (launch to result), decoding requests, drafts verified and accepted, the budget K the
     window policy planned (R * gamma for full blocks, 0 without a drafter, -1 for a plain step), prefill rows, of
     which recomputed (preempted requests), prefill chunks, and the share of KV blocks in use
-    after the commit (reserved ahead for verify windows included). `preemptions` counts the
-    scheduler's.
+    after the commit (reserved ahead for verify windows included), and the decoding requests that
+    ran the drafter's pass (fewer than all when the cost scheduler drafted for some only).
+    `preemptions` counts the scheduler's.
     """
 
     def __init__(self, gamma: int, clock):
@@ -226,7 +232,8 @@ class StepLedger:
         used = sum(g["used"] for g in kv.values()) / max(1, sum(g["total"] for g in kv.values()))
         self.rows.append((self.clock(), s.step, s.seconds, n, int(s.verified.sum()), int(s.accepted.sum()),
                           self._budgets.pop(s.step, n * self.gamma) if n else 0, s.prefill_rows,
-                          s.recompute_rows, s.prefill_chunks, used))
+                          s.recompute_rows, s.prefill_chunks, used,
+                          int(s.drafted.sum()) if s.drafted is not None else n))
 
     def table(self, t0: float = -np.inf, t1: float = np.inf) -> dict[str, np.ndarray]:
         """The rows committed in [t0, t1) as columns."""
@@ -243,7 +250,7 @@ def account(ledger: StepLedger, t0: float, t1: float, step_calls: list[tuple[flo
     the time outside them is the client's (adding requests, bookkeeping). Each committed step
     belongs to the call it was committed in, and a call's seconds are charged to the kind of
     its step: decode only, prefill only, or both in one step ("mixed"). `decode_rk` lists
-    (R, K, steps, with prefill 0/1) of the decode steps: what the step-cost table prices
+    (R, K, steps, with prefill 0/1, drafting rows) of the decode steps: what the step-cost table prices
     (`simulate.calibrate` fits the rest). With `cost` (simulate.StepCost) the decode steps are
     also priced here, so the rest of the step time (prefill, host work the table does not hold)
     shows."""
@@ -265,6 +272,7 @@ def account(ledger: StepLedger, t0: float, t1: float, step_calls: list[tuple[flo
         "verify_rows": int(tab["decode"].sum() + tab["verified"].sum()),
         "drafts_verified": int(tab["verified"].sum()), "drafts_accepted": int(tab["accepted"].sum()),
         "plain_steps": int(((tab["budget"] < 0) & (tab["decode"] > 0)).sum()),
+        "partial_steps": int(((tab["drafting"] > 0) & (tab["drafting"] < tab["decode"])).sum()),
         "kv_used_mean": round(float(tab["kv_used"].mean()), 4) if len(tab["t"]) else None,
         "kv_used_max": round(float(tab["kv_used"].max()), 4) if len(tab["t"]) else None,
     }
@@ -273,13 +281,13 @@ def account(ledger: StepLedger, t0: float, t1: float, step_calls: list[tuple[flo
         out[f"{name}_steps"] = int(mask.sum())
         out[f"{name}_s"] = round(float(durs[own].sum()), 6)
         out[f"{name}_prefill_rows"] = int(tab["prefill_rows"][mask].sum())
-    rk = np.stack([tab["decode"], tab["budget"], pre], 1).astype(np.int64)[dec]
-    pairs, counts = np.unique(rk, axis=0, return_counts=True) if len(rk) else (np.zeros((0, 3), np.int64), [])
-    out["decode_rk"] = [[int(r), int(k), int(n), int(p)] for (r, k, p), n in zip(pairs, counts)]
+    rk = np.stack([tab["decode"], tab["budget"], pre, tab["drafting"]], 1).astype(np.int64)[dec]
+    pairs, counts = np.unique(rk, axis=0, return_counts=True) if len(rk) else (np.zeros((0, 4), np.int64), [])
+    out["decode_rk"] = [[int(r), int(k), int(n), int(p), int(d)] for (r, k, p, d), n in zip(pairs, counts)]
     if phases_s:
         out["host_phases_s"] = {k: round(v, 6) for k, v in phases_s.items()}
     if cost is not None:
-        table_s = sum(n * cost.decode_seconds(r, k, ledger.gamma > 0) for r, k, n, _ in out["decode_rk"])
+        table_s = sum(n * cost.decode_seconds(r, k, ledger.gamma > 0, d) for r, k, n, _, d in out["decode_rk"])
         out["decode_by_table_s"] = round(table_s, 6)
         out["rest_s"] = round(out["decode_only_s"] + out["prefill_only_s"] + out["mixed_s"] - table_s, 6)
     return out
