@@ -33,8 +33,9 @@
 #            in-process at 64 / 256 on the same work
 #   scale    DSpark at paper scale, measured: the Qwen3-8B shape with random weights, its drafts accepted
 #            by a synthetic law (each request's rate uniform in LO:HI; LAWS, default 0.3:0.96, tau 2.5):
-#            the step-cost profiles in the overlapped loop (unless TABLE names one), a sweep no-spec /
-#            static / compact per law with static's traces (the simulator's input), then the A/A control
+#            the step-cost profiles in the overlapped loop (unless TABLE names one; SHARES, default
+#            "0.25 0.5": also those of the steps where that share drafts), a sweep no-spec / static /
+#            compact per law with static's traces (the simulator's input), then the A/A control
 #            static / static-b at 64 and 256 (AA=0: not)
 #   last     a short thesis sweep, serve.py over HTTP at 64 / 256, GPU busy at 256 (one call's worth;
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
@@ -241,6 +242,11 @@ scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABL
     timeout 60 $new profile-plain --shape qwen3-8b --loop overlap --batch-sizes 1 16 64 128 256 --repeats 1 \
       --out "$R/cost_qwen3_8b.json" > "$R/plain_8b.txt" 2>&1
     echo "8b plain rc=$?"; pack
+    for f in ${SHARES:-0.25 0.5}; do     # the partial steps' own profiles (SHARES="": none)
+      timeout 100 $new profile --shape qwen3-8b --loop overlap --batch-sizes 1 16 64 128 256 --repeats 1 \
+        --draft-fraction $f --out "$R/cost_qwen3_8b.json" > "$R/share_8b_$f.txt" 2>&1
+      echo "8b share $f rc=$?"; pack
+    done
     TABLE=$R/cost_qwen3_8b.json
   fi
   for LAW in $LAWS; do
