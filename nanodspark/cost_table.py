@@ -37,6 +37,18 @@ import numpy as np
 DEFAULT_FLAT_REL_TOL = 0.01
 
 
+def share_name(model_name: str, fraction: float) -> str:
+    """The model name a partial step's table is keyed by: only `fraction` of the batch drafts
+    (`bench profile --draft-fraction`; the cost scheduler's partial drafting)."""
+    return f"{model_name} (draft {fraction:g})"
+
+
+def share_of(model_name: str) -> float | None:
+    """`share_name`'s inverse: the fraction, or None for a table of another kind."""
+    head, sep, tail = model_name.rpartition(" (draft ")
+    return float(tail[:-1]) if sep and tail.endswith(")") else None
+
+
 def _basis(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """Piecewise-linear (hat) weights of points x [n] on knots [m] -> [n, m].
 

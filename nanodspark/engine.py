@@ -180,7 +180,7 @@ class LLMEngine:
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler
-        from .cost_table import CostTable
+        from .cost_table import CostTable, share_name
         from .windows import CostWindows, StaticWindows
         cfg = self.config
         if self.drafter is None or not self.verify_mode.trims:
@@ -193,7 +193,7 @@ class LLMEngine:
                                self.device.type, ()) \
             if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps else None
         # and the profiles of steps where only a share drafts (`bench profile --draft-fraction`), if measured
-        shares = {f: CostTable.load(cfg.cost_table, f"{self.model_name} (draft {f:g})", str(self.dtype),
+        shares = {f: CostTable.load(cfg.cost_table, share_name(self.model_name, f), str(self.dtype),
                                     self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain,

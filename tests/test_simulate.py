@@ -379,3 +379,5 @@ def test_a_cost_file_names_its_partial_step_profiles_apart(tmp_path):
     cost = StepCost(spec, plain, shares=shares)
     assert cost.decode_seconds(4, 2, drafting=2) == pytest.approx(50e-3)          # ceil(0.5 * 4) rows
     assert cost.decode_seconds(4, 2, drafting=1) == pytest.approx(28e-3)
+    from nanodspark.cost_table import share_name, share_of
+    assert share_of(share_name("m", 0.25)) == 0.25 and share_of("m (no drafter)") is None and share_of("m") is None

@@ -41,8 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ..cost_table import share_name
 from .bench_engine import bench_prompts
 
 
@@ -191,8 +193,6 @@ class ForcedShare:
         self.gamma, self.k, self.fraction = gamma, k, fraction
 
     def plan(self, rows, step):
-        import math
-        import numpy as np
         from ..step import WindowPlan
         R = len(rows.slots)
         D = min(R, math.ceil(self.fraction * R))
@@ -271,7 +271,7 @@ def profile(args) -> dict:
                                   estimator=getattr(args, "estimator", "rounds"),
                                   trend_z_min=None if getattr(args, "no_trend_gate", False)
                                   else getattr(args, "trend_z", DEFAULT_TREND_Z),
-                                  model_name=source["model_name"] + (f" (draft {f:g})" if f < 1 else ""),
+                                  model_name=share_name(source["model_name"], f) if f < 1 else source["model_name"],
                                   dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:

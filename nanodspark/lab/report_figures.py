@@ -31,6 +31,8 @@ _SS = "sweep[mode={m},concurrency={c}].total_tok_s"
 _PAIRED = "paired[concurrency={c},ratio={r}].median"
 _G = "sweep[mode={m},concurrency={c}].total_tok_s"
 _ACC = "sweep[mode={m},concurrency={{c}}].accounting"
+# compact's steps in which some, none and all of the requests drafted (a partial step, a plain one)
+_COMPACT_STEPS = " · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))
 
 _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requests at 32",
            "cpu_300": "CPU, 300 requests at 32", "cpu_2000": "CPU, 2,000 requests at 64",
@@ -389,7 +391,7 @@ FIGURES = [
             "compact / static", "compact's steps: some drafting · none drafting · all"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
             + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static")]
-            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+            + [_COMPACT_STEPS]],
            [{"c": c} for c in (1, 16, 64, 128, 256)]),
 
     Figure("thesis-8b-partial-ab", {"p": "benchmarks/steady_state_qwen3_8b_partial_vs_plain_h200.json"},
@@ -400,7 +402,7 @@ FIGURES = [
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact", "compact-no-partial")]
             + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("compact/no-spec", "compact-no-partial/no-spec",
                                                               "compact/compact-no-partial")]
-            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+            + [_COMPACT_STEPS]],
            [{"c": c} for c in (64, 128, 256)]),
 
     Figure("thesis-8b-partial-c256", {"f": "benchmarks/steady_state_qwen3_8b_partial_c256_h200.json"},
@@ -410,7 +412,7 @@ FIGURES = [
             "compact's steps: some drafting · none drafting · all"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("compact", "compact-no-partial")]
             + [f"<{_PAIRED}|.3f>".replace("{r}", "compact/compact-no-partial")]
-            + [" · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))]],
+            + [_COMPACT_STEPS]],
            [{"c": 256}]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},

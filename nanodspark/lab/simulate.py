@@ -54,7 +54,7 @@ from ..scheduler import admission_due
 from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, topk_windows
 from ..step import DecodeRows
 from ..windows import CostWindows, StaticWindows
-from ..cost_table import CostTable
+from ..cost_table import CostTable, share_of
 from .bench_serve import Run, RequestRecord, ServeWorkload, median_rows, paired_ratios, summarize
 from .traces import RequestTrace, Traces
 
@@ -96,7 +96,7 @@ def load_table(path, key: str | None = None, plain: bool = False) -> CostTable:
     tables = json.loads(Path(path).read_text())
     if key is None:
         kind = [k for k in tables if k.split("|")[0].endswith("(no drafter)") == plain
-                and _share_of(k) is None] or list(tables)
+                and share_of(k.split("|")[0]) is None] or list(tables)
         if len(kind) != 1:
             raise SystemExit(f"{path} holds {len(tables)} tables; name one with --table-key: {list(tables)}")
         key = kind[0]
@@ -105,15 +105,8 @@ def load_table(path, key: str | None = None, plain: bool = False) -> CostTable:
 
 def load_shares(path) -> dict[float, CostTable]:
     """The partial steps' profiles in a cost file (`bench profile --draft-fraction F`), by F."""
-    tables = json.loads(Path(path).read_text())
-    return {_share_of(k): CostTable.from_json(v) for k, v in tables.items() if _share_of(k) is not None}
-
-
-def _share_of(key: str) -> float | None:
-    name = key.split("|")[0]
-    if not name.endswith(")") or "(draft " not in name:
-        return None
-    return float(name[name.rindex("(draft ") + 7:-1])
+    tables = [CostTable.from_json(v) for v in json.loads(Path(path).read_text()).values()]
+    return {share_of(t.model_name): t for t in tables if share_of(t.model_name) is not None}
 
 
 # ----------------------------------------------------------------------------- the simulated engine
