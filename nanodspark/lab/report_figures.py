@@ -415,6 +415,16 @@ FIGURES = [
             + [_COMPACT_STEPS]],
            [{"c": 256}]),
 
+    Figure("thesis-8b-partial-now", {"n": "benchmarks/steady_state_qwen3_8b_partial_now_h200.json"},
+           H200 + "; the same law, work and cost file at 1–128, the engine as it is now, all four systems in one call",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "without partial drafting, tok/s",
+            "compact / no-spec", "compact / static", "compact / without", "compact's steps: some drafting · none drafting · all"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact", "compact-no-partial")]
+            + [f"<{_PAIRED}|.3f>".replace("{r}", r) for r in ("compact/no-spec", "compact/static",
+                                                              "compact/compact-no-partial")]
+            + [_COMPACT_STEPS]],
+           [{"c": c} for c in (1, 16, 64, 128)]),
+
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
            "and the static traces of the measured sweep at 128, prefill priced at 5 ms + 30 µs per token (assumed)",
