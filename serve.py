@@ -20,7 +20,8 @@ the first argument, as `vllm serve MODEL` takes it, or as `--model`.
 Server-only flags: `--host`, `--port`, `--api-key` (or the environment variable
 `NANODSPARK_API_KEY`: Bearer auth on every /v1 route), `--served-model-name`, `--max-queue`,
 `--max-body-bytes`, `--prepare-threads`, `--prepare-inline-bytes`, `--log-level`,
-`--single-process`. They are arguments of `create_app`, not fields of `EngineConfig`.
+`--single-process`, `--api-server-count N` (N API processes on the one engine core, sharing the
+port: nanodspark/server/api_servers.py). They are not fields of `EngineConfig`.
 
 Parallel: `--tensor-parallel-size N [--expert-parallel-size M]`: the engine core starts N-1
 worker processes itself (distributed.py); under `torchrun --nproc-per-node N serve.py ...` the
@@ -40,9 +41,10 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -51,7 +53,7 @@ from pathlib import Path
 from nanodspark.config import GROUPS, EngineConfig
 
 SERVER_FLAGS = ("model", "model_tag", "host", "port", "api_key", "max_queue", "served_model_name", "log_level",
-                "max_body_bytes", "prepare_threads", "prepare_inline_bytes", "single_process")
+                "max_body_bytes", "prepare_threads", "prepare_inline_bytes", "single_process", "api_server_count")
 API_KEY_ENV = "NANODSPARK_API_KEY"
 # `--device` takes "cuda:N" too, so it is checked by a function, not a Literal.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -128,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                           f"0: every body in a worker thread (default: {DEFAULT_PREPARE_INLINE_BYTES})")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="log level of the server, the engine core and uvicorn (default: info)")
+    srv.add_argument("--api-server-count", type=int, default=1, metavar="INT",
+                     help="API server processes in front of the one engine core, sharing the port: more of "
+                          "them serve more concurrent streams (HTTP, JSON, text each in its own process; "
+                          "default: 1)")
     srv.add_argument("--single-process", action="store_true",
                      help="run the engine in a thread of the server's process, not in an engine-core process "
                           "(default: off)")
@@ -179,19 +185,6 @@ def curl_example(url: str, model: str, api_key: str | None = None) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now (before any weight is read) and handed to uvicorn, so a
-    busy port is an error at once and nobody can take the port while the model loads."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds its own
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _torchrun_rank() -> int | None:
     """This process's rank under torchrun, or None when not launched by it."""
     return int(os.environ["RANK"]) if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else None
@@ -217,12 +210,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     api_key = api_key_of(args)
+    if args.api_server_count < 1:
+        print("error: --api-server-count must be 1 or more", file=sys.stderr)
+        return 2
+    if args.api_server_count > 1 and (args.single_process or _torchrun_rank() is not None):
+        print("error: --api-server-count > 1 needs the engine-core process: not with --single-process or torchrun",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     rank = _torchrun_rank()
     sock = None
     if not rank:
         try:
-            sock = listen_socket(args.host, args.port)
+            from nanodspark.server.api_servers import listen_socket
+            sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
         except OSError as e:
             print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}. Stop what holds it or pass "
                   "--port N.", file=sys.stderr)
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0, model=str(model_dir))
         else:
             from nanodspark.server import CoreClient
-            core = CoreClient(model, cfg, args.log_level)
+            core = CoreClient(model, cfg, args.log_level, links=args.api_server_count)
             info = core.wait_ready()
     except KeyboardInterrupt:
         if core is not None:
@@ -263,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in info.summary():
         log.info(line)
     name = args.served_model_name or ("nanodspark-default" if model is None else model_dir.resolve().name)
-    app = create_app(engine if single else core, model_name=name, max_queue=args.max_queue,
-                     max_body_bytes=args.max_body_bytes, prepare_threads=args.prepare_threads, api_key=api_key,
-                     prepare_inline_bytes=args.prepare_inline_bytes)
+    app_kwargs = dict(model_name=name, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                      prepare_threads=args.prepare_threads, api_key=api_key,
+                      prepare_inline_bytes=args.prepare_inline_bytes)
+    server_kwargs = dict(host=args.host, port=args.port, timeout_graceful_shutdown=5)
+    folder = tempfile.mkdtemp(prefix="nanodspark-metrics-") if args.api_server_count > 1 else None
+    app = create_app(engine if single else core, **app_kwargs, share_metrics=folder and (folder, 0))
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     where = info.device if info.world == 1 else \
@@ -274,25 +278,42 @@ def main(argv: list[str] | None = None) -> int:
         "tensor-parallel workers: " + ", ".join(f"rank {i + 1} pid {p}" for i, p in enumerate(info.worker_pids)) + "\n"
     process = "" if single else f"engine core: pid {core.process.pid}\n"
     process += f"HTTP: {http_stack()}\n"
+    apis = None
 
     def banner():
         print(f"\nnanodspark is serving {name!r} on {where} at {url}/v1\n{process}{workers}"
               f"Try:\n  {curl_example(url, name, api_key)}\n", flush=True)
 
-    server = HTTPServer(app, on_ready=banner, host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=5)
+    server = HTTPServer(app, on_ready=banner, log_level=args.log_level, **server_kwargs,
+                        on_shutdown=lambda: apis is not None and apis.stop())
     try:
+        if args.api_server_count > 1:
+            from nanodspark.server.api_servers import ApiServers
+            apis = ApiServers(core, sock.getsockname()[:2], model, app_kwargs, server_kwargs, folder,
+                              args.log_level)
+            pids = apis.wait_ready()
+            process += f"API servers: {len(pids) + 1} processes (pid {os.getpid()}, " + \
+                ", ".join(str(p) for p in pids) + ")\n"
+            apis.watch(lambda message: setattr(server, "should_exit", True))
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
+    except RuntimeError as e:         # an API process that did not start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
+        if apis is not None:
+            apis.stop()               # a no-op after a clean shutdown
         app.state.server.loop.stop()  # a no-op after a clean lifespan exit; stops the engine after a forced one
         if engine is not None:
             engine.shutdown()         # the tensor-parallel workers, if any (the core stops its own)
         sock.close()
-    error = app.state.server.loop.error
-    if error is not None:
-        print(f"error: the engine stopped: {error}", file=sys.stderr)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    error = app.state.server.loop.error or (apis is not None and apis.error)
+    if error:
+        print(f"error: the engine stopped: {error}" if not isinstance(error, str) else f"error: {error}",
+              file=sys.stderr)
         return 1
     return 0
 

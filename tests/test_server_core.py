@@ -206,7 +206,7 @@ def test_merge_keeps_each_requests_tokens_in_order_its_last_counters_and_its_fin
     for step in range(int(rng.integers(2, 7))):
         b = StepOutputs()
         b.admitted.append(("accepted", f"new{step}"))
-        b.waits.append((0.1 * step, 0.2))
+        b.waits.append((f"r{step}", 0.1 * step, 0.2))
         for rid in rng.choice([f"r{i}" for i in range(9)], int(rng.integers(0, 6)), replace=False).tolist():
             toks = rng.integers(0, 1000, int(rng.integers(0, 4))).tolist()
             spec = rng.integers(0, 50, n).tolist()
@@ -227,7 +227,7 @@ def test_merge_keeps_each_requests_tokens_in_order_its_last_counters_and_its_fin
     assert {rid: [ids, spec, fin] for rid, ids, fin, spec in m.rows()} == {
         rid: [ids, spec, fin] for rid, (ids, spec, fin) in want.items()}
     assert m.admitted == [("accepted", f"new{i}") for i in range(len(batches))]
-    assert m.waits == [(0.1 * i, 0.2) for i in range(len(batches))]
+    assert m.waits == [(f"r{i}", 0.1 * i, 0.2) for i in range(len(batches))]
 
 
 def test_bulk_histogram_exposes_what_prometheus_histogram_does():

@@ -29,14 +29,14 @@ Invariants
 * Importing this package needs the `serve` extra (fastapi, uvicorn, prometheus_client).
 """
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPARE_THREADS, HTTPServer, OpenAIServer, create_app
-from .core import CoreClient, CoreStartError
+from .core import CoreClient, CoreLink, CoreStartError
 from .engine_loop import EngineInfo, EngineLoop, EngineState, StepOutputs
 from .metrics import Metrics
 from .openai_api import (APIError, bad_request, check_context, check_fields, get_field, message_text,
                          parse_json_body, parse_sampling, sse_event, usage_of)
 from .outputs import ACCEPTED, Handle, OutputProcessor
 
-__all__ = ["ACCEPTED", "APIError", "CoreClient", "CoreStartError", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS",
+__all__ = ["ACCEPTED", "APIError", "CoreClient", "CoreLink", "CoreStartError", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREPARE_THREADS",
            "EngineInfo", "EngineLoop", "EngineState", "HTTPServer", "Handle", "Metrics", "OpenAIServer",
            "OutputProcessor", "StepOutputs", "bad_request", "check_context", "check_fields", "create_app", "get_field",
            "message_text", "parse_json_body", "parse_sampling", "sse_event", "usage_of"]

@@ -59,7 +59,7 @@ from starlette.requests import ClientDisconnect
 
 from ..request import RequestOutput
 from ..sampling import SamplingParams
-from .core import CoreClient
+from .core import CoreLink
 from .engine_loop import EngineInfo, EngineLoop
 from .metrics import Metrics
 from .openai_api import (APIError, bad_request, check_context, check_fields, get_field, message_text,
@@ -161,7 +161,7 @@ class OpenAIServer:
         if prepare_inline_bytes < 0:
             raise ValueError("prepare_inline_bytes must be 0 or more")
         self.prepare_inline_bytes = prepare_inline_bytes
-        if isinstance(engine, CoreClient):   # the engine in its own process (serve.py)
+        if isinstance(engine, CoreLink):     # the engine in its own process (serve.py)
             self.engine, self.loop = None, engine
             self.info, self.tokenizer = engine.info, engine.tokenizer
         else:                                # an LLMEngine, driven by a thread of this process
@@ -562,12 +562,14 @@ def package_version() -> str:
 class HTTPServer(uvicorn.Server):
     """uvicorn's server for an app from `create_app`: on shutdown (SIGINT, SIGTERM or
     `should_exit`) it first aborts every request, then lets uvicorn close the connections and run
-    the lifespan exit, which stops the engine side. `on_ready()` runs once the socket is bound."""
+    the lifespan exit, which stops the engine side. `on_ready()` runs once the socket is bound;
+    `on_shutdown()` (blocking, in a thread) right after the aborts: serve.py stops its other API
+    processes there, before its own lifespan exit stops the engine core."""
 
-    def __init__(self, app: FastAPI, on_ready=None, **config):
+    def __init__(self, app: FastAPI, on_ready=None, on_shutdown=None, **config):
         super().__init__(uvicorn.Config(app, **config))
         self.openai_server: OpenAIServer = app.state.server
-        self.on_ready = on_ready
+        self.on_ready, self.on_shutdown = on_ready, on_shutdown
         self.openai_server.loop.on_fatal = self._engine_died
 
     def _engine_died(self, error: BaseException) -> None:
@@ -581,6 +583,8 @@ class HTTPServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None):
         self.openai_server.begin_shutdown()
+        if self.on_shutdown is not None:
+            await asyncio.to_thread(self.on_shutdown)
         await super().shutdown(sockets)
 
 
@@ -610,21 +614,34 @@ _NO_OTEL = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 def create_app(engine, model_name: str = "nanodspark", max_queue: int = 0,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, prepare_threads: int = DEFAULT_PREPARE_THREADS,
-               api_key: str | None = None, prepare_inline_bytes: int = DEFAULT_PREPARE_INLINE_BYTES) -> FastAPI:
+               api_key: str | None = None, prepare_inline_bytes: int = DEFAULT_PREPARE_INLINE_BYTES,
+               share_metrics: tuple | None = None) -> FastAPI:
     """A FastAPI app serving `engine`: an `LLMEngine` (driven by a thread of this process) or a
-    ready `CoreClient` (the engine-core process). Its lifespan starts and stops the engine side
-    (and the worker threads that prepare request bodies)."""
+    ready `CoreLink` (the engine-core process). Its lifespan starts and stops the engine side
+    (and the worker threads that prepare request bodies). `share_metrics=(folder, index)`: this is
+    one of several API processes, whose /metrics answer for all (metrics.py)."""
     server = OpenAIServer(engine, model_name, max_queue, max_body_bytes, prepare_threads, api_key, prepare_inline_bytes)
+    if share_metrics is not None:
+        server.metrics.share(*share_metrics)
+
+    async def write_shared_metrics():
+        while True:
+            await asyncio.sleep(server.metrics.SHARE_INTERVAL_S)
+            server.metrics.write_share()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop.start(server.outputs.on_batch, asyncio.get_running_loop())
+        sharing = asyncio.create_task(write_shared_metrics()) if server.metrics.shared else None
         try:
             yield
         finally:
             server.pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(server.loop.stop)
             server.outputs.close(APIError(503, "the server is shutting down", "server_error"))
+            if sharing is not None:
+                sharing.cancel()
+                server.metrics.write_share()     # its last counts stay in the others' scrapes
 
     app = FastAPI(title="nanodspark", lifespan=lifespan, **_NO_OTEL)
     app.state.server = server

@@ -49,6 +49,8 @@ import threading
 import time
 import traceback
 
+import numpy as np
+
 from .engine_loop import EngineInfo, EngineLoop, Relay, StepOutputs, engine_params
 
 log = logging.getLogger("nanodspark.server")
@@ -68,21 +70,15 @@ class CoreDied(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- the API side
-class CoreClient:
-    """The API process's handle on the engine core: the same methods as `EngineLoop` (`submit`,
-    `abort`, `abort_all`, `start`, `stop`, `alive`, `error`, `on_fatal`), over the pipes."""
+class CoreLink:
+    """An API process's end of one link to the engine core: the same methods as `EngineLoop`
+    (`submit`, `abort`, `abort_all`, `start`, `stop`, `alive`, `error`, `on_fatal`), over a pair
+    of pipes. `CoreClient` is the link of the process that started the core; the extra API
+    processes of `serve.py --api-server-count N` get a bare link each (api_servers.py)."""
 
-    def __init__(self, model_path, config, log_level: str = "info"):
-        ctx = mp.get_context("spawn")
-        cmd_in, self._cmd = ctx.Pipe(duplex=False)
-        self._out, out_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_core, args=(model_path, config, cmd_in, out_w, log_level),
-                                   name="nanodspark-core")   # not a daemon: it may spawn tensor-parallel workers
-        with _child_env(OMP_WAIT_POLICY="PASSIVE"):
-            self.process.start()
-        cmd_in.close()       # only the core holds these ends now, so each side sees the other's end-of-file
-        out_w.close()
+    def __init__(self, model_path, commands, outputs):
         self.model_path = model_path
+        self._cmd, self._out = commands, outputs
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self._lock = threading.Lock()
@@ -90,6 +86,9 @@ class CoreClient:
         self._stopping = False
         self.error: BaseException | None = None
         self.on_fatal = None
+
+    def _core_alive(self) -> bool:
+        return True          # a bare link learns of a dead core from its pipe's end-of-file
 
     def wait_ready(self) -> EngineInfo:
         """Block until the core has built its engine; load the tokenizer meanwhile."""
@@ -101,21 +100,21 @@ class CoreClient:
         t0 = next_note = time.monotonic()
         try:
             while not self._out.poll(0.2):
-                if not self.process.is_alive():
+                if not self._core_alive():
                     raise EOFError
                 if time.monotonic() >= next_note + 15:     # a line now and then while a big model loads
                     next_note = time.monotonic()
                     log.info("the engine core is still loading (%.0f s)", next_note - t0)
             msg = self._out.recv()
         except (EOFError, OSError):
-            self.process.join(5)
-            raise CoreStartError(f"the engine-core process exited (status {self.process.exitcode}) "
-                                 "before it was ready; its error is above") from None
+            raise CoreStartError(self._gone("before it was ready; its error is above")) from None
         if msg[0] == "failed":
-            self.process.join(30)
             raise CoreStartError(msg[2], msg[1])
         self.info = msg[1]
         return self.info
+
+    def _gone(self, when: str) -> str:
+        return f"the engine-core process exited {when}"
 
     # -- the event loop's side ---------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params) -> None:
@@ -149,17 +148,67 @@ class CoreClient:
                 elif kind == "fatal":
                     self.error = CoreDied(payload)
                     break
-                else:   # "stopped"
+                else:   # "stopped": asked for by this link, or the core was stopped by another
+                    if not self._stopping:
+                        self.error = CoreDied("the engine core stopped")
+                        post(StepOutputs(closing=(503, "server_error", "the server is shutting down")))
                     break
         except (EOFError, OSError):
             if not self._stopping:
-                self.process.join(5)
-                self.error = CoreDied(f"the engine-core process exited (status {self.process.exitcode})")
+                self.error = CoreDied(self._gone("while serving"))
                 post(StepOutputs(closing=(500, "server_error", f"engine stopped: {self.error}")))
         if self.error is not None:
             log.error("the engine core stopped: %s", self.error)
             if self.on_fatal is not None:
                 self.on_fatal(self.error)
+
+    def stop(self, timeout: float | None = 60) -> None:
+        """Leave: the core aborts this link's requests and says `stopped` (the first link's
+        `stop` stops the core itself)."""
+        self._stopping = True
+        self._send(("stop",))
+        if self._reader is not None:
+            self._reader.join(timeout)
+        for conn in (self._cmd, self._out):
+            conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopping and self.error is None
+
+
+class CoreClient(CoreLink):
+    """The link of the process that starts the engine core (and owns it: its `stop` stops the
+    core). `links=N` opens N-1 more links for other API processes (`extra_links`)."""
+
+    def __init__(self, model_path, config, log_level: str = "info", links: int = 1):
+        ctx = mp.get_context("spawn")
+        pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(links)]
+        # per link: (the core's command end, the core's output end), (the API's command end, its output end)
+        core_ends = [(cmd_r, out_w) for (cmd_r, _), (_, out_w) in pipes]
+        api_ends = [(cmd_w, out_r) for (_, cmd_w), (out_r, _) in pipes]
+        self.process = ctx.Process(target=run_core, args=(model_path, config, core_ends, log_level),
+                                   name="nanodspark-core")   # not a daemon: it may spawn tensor-parallel workers
+        with _child_env(OMP_WAIT_POLICY="PASSIVE"):
+            self.process.start()
+        for conn in (c for pair in core_ends for c in pair):
+            conn.close()     # only the core holds these ends now, so each side sees the other's end-of-file
+        super().__init__(model_path, *api_ends[0])
+        self.extra_links = api_ends[1:]    # for the other API processes; close them here once handed over
+
+    def _core_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def _gone(self, when: str) -> str:
+        self.process.join(5)
+        return f"the engine-core process exited (status {self.process.exitcode}) {when}"
+
+    def wait_ready(self) -> EngineInfo:
+        try:
+            return super().wait_ready()
+        except CoreStartError:
+            self.process.join(30)
+            raise
 
     def stop(self, timeout: float | None = 60) -> None:
         """Ask the core to stop (it aborts what it holds and says so), then wait for it to exit."""
@@ -175,7 +224,7 @@ class CoreClient:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
-        for conn in (self._cmd, self._out):
+        for conn in (self._cmd, self._out, *(c for pair in self.extra_links for c in pair)):
             conn.close()
 
     def kill(self) -> None:
@@ -189,7 +238,7 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive() and not self._stopping and self.error is None
+        return self.process.is_alive() and super().alive
 
 
 @contextlib.contextmanager
@@ -212,46 +261,125 @@ def _child_env(**defaults):
 
 
 # ----------------------------------------------------------------------------- the core process
-def run_core(model_path, config, commands, outputs, log_level: str = "info") -> None:
-    """The engine-core process: build the engine, then serve the pipes until `stop` or EOF."""
+def run_core(model_path, config, links, log_level: str = "info") -> None:
+    """The engine-core process: build the engine, then serve the links (pairs of pipes: commands
+    in, outputs out) until the first link says `stop` or closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     (engine core) %(message)s")
     from ..llm import build_engine
     t0 = time.monotonic()
     try:
         engine = build_engine(model_path, config)
-    except BaseException as e:  # noqa: BLE001 - said to the API process, which exits
+    except BaseException as e:  # noqa: BLE001 - said to the API processes, which exit
         kind = "load" if isinstance(e, (FileNotFoundError, ValueError)) else "error"
         if kind == "error":
             traceback.print_exc()
-        outputs.send(("failed", kind, f"{e}"))
-        outputs.close()
+        for _, outputs in links:
+            with contextlib.suppress(OSError):
+                outputs.send(("failed", kind, f"{e}"))
+            outputs.close()
         return
     from ..loader import resolve_model_dir
     info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0, model=str(resolve_model_dir(model_path)))
-    engine.tokenizer = None      # the API process does all text work: the core never decodes
-    sends: queue.SimpleQueue = queue.SimpleQueue()
-    loop = EngineLoop(engine, emit=lambda batch: sends.put(("out", batch)), own_process=True)
-    sender = threading.Thread(target=_send_all, args=(sends, outputs), name="nanodspark-core-sender")
-    sender.start()
-    sends.put(("ready", info))
-    threading.Thread(target=_read_commands, args=(commands, loop), name="nanodspark-core-commands",
-                     daemon=True).start()
+    engine.tokenizer = None      # the API processes do all text work: the core never decodes
+    fan = Fanout(len(links))
+    loop = EngineLoop(engine, emit=fan.emit, own_process=True)
+    senders = [threading.Thread(target=_send_all, args=(q, outputs), name=f"nanodspark-core-sender-{i}")
+               for i, (q, (_, outputs)) in enumerate(zip(fan.sends, links))]
+    for t in senders:
+        t.start()
+    fan.put_all(("ready", info))
+    for i, (commands, _) in enumerate(links):
+        threading.Thread(target=_read_commands, args=(commands, loop, fan, i), name=f"nanodspark-core-commands-{i}",
+                         daemon=True).start()
     try:
         loop.run()
-        sends.put(("stopped", None))
+        fan.put_all(("stopped", None))
     except BaseException as e:  # noqa: BLE001 - a fatal engine error: every request learns it
         log.exception("the engine stopped")
         loop.close(500, f"engine stopped: {e}")
-        sends.put(("fatal", str(e)))
+        fan.put_all(("fatal", str(e)))
     finally:
-        sends.put(None)
-        sender.join(30)
+        fan.put_all(None)
+        for t in senders:
+            t.join(30)
         engine.shutdown()
 
 
+class Fanout:
+    """One engine loop serving several links: each request is noted with the link it came from,
+    each step's `StepOutputs` is split back by link, and a link's `abort_all` or departure aborts
+    only its own requests. With one link nothing is noted or split."""
+
+    def __init__(self, n: int):
+        self.sends = [queue.SimpleQueue() for _ in range(n)]   # per link, for its sender thread
+        self.open = [True] * n
+        self._owner: dict[str, int] = {}       # request id -> link (n > 1 only)
+        self._lock = threading.Lock()          # readers add owners, the loop's thread removes them
+
+    def put_all(self, msg) -> None:
+        for q, is_open in zip(self.sends, self.open):
+            if is_open:
+                q.put(msg)
+
+    def command(self, link: int, cmd: tuple, loop: EngineLoop) -> None:
+        if len(self.sends) > 1:
+            if cmd[0] == "add":
+                with self._lock:
+                    self._owner[cmd[1]] = link
+            elif cmd[0] == "abort_all":
+                for rid in self._ids_of(link):
+                    loop.send(("abort", rid))
+                return
+        loop.send(cmd)
+
+    def leave(self, link: int, loop: EngineLoop) -> None:
+        """An API process other than the first left (its `stop`, or its pipe closed): abort its
+        requests, say `stopped`, and send it nothing more; the core serves the others."""
+        for rid in self._ids_of(link):
+            loop.send(("abort", rid))
+        self.open[link] = False
+        self.sends[link].put(("stopped", None))
+        self.sends[link].put(None)
+
+    def _ids_of(self, link: int) -> list[str]:
+        with self._lock:
+            return [rid for rid, owner in self._owner.items() if owner == link]
+
+    def emit(self, batch: StepOutputs) -> None:
+        """The loop's `emit`: the batch to its link(s)."""
+        if len(self.sends) == 1:
+            self.sends[0].put(("out", batch))
+            return
+        for link, part in enumerate(self.split(batch)):
+            if part and self.open[link]:
+                self.sends[link].put(("out", part))
+
+    def split(self, batch: StepOutputs) -> list[StepOutputs]:
+        """A `StepOutputs` per link: its requests' rows, admissions, failures and waits; the
+        engine's state and a `closing` go to every link. Ended requests are forgotten."""
+        n = len(self.sends)
+        with self._lock:
+            owner = self._owner
+            rows = np.fromiter((owner.get(r, -1) for r in batch.request_ids), np.int64, len(batch.request_ids))
+            parts = [batch.pick(rows == link) for link in range(n)]
+            for part in parts:
+                part.state, part.closing = batch.state, batch.closing
+            for entry in batch.admitted:
+                parts[owner.get(entry[1], 0)].admitted.append(entry)
+            for entry in batch.failed:
+                parts[owner.get(entry[0], 0)].failed.append(entry)
+            for entry in batch.waits:
+                parts[owner.get(entry[0], 0)].waits.append(entry)
+            ended = [e[1] for e in batch.admitted if e[0] == "refused"] + [e[0] for e in batch.failed] + \
+                [batch.request_ids[i] for i in batch.finished]
+            for rid in ended:
+                owner.pop(rid, None)
+        return parts
+
+
 def _send_all(sends: queue.SimpleQueue, outputs) -> None:
-    """The core's sender thread: pickle and write, so the step loop never waits on the pipe."""
+    """A link's sender thread: pickle and write, so the step loop never waits on the pipe."""
     broken = False
     while (msg := sends.get()) is not None:
         if broken:
@@ -263,15 +391,19 @@ def _send_all(sends: queue.SimpleQueue, outputs) -> None:
     outputs.close()
 
 
-def _read_commands(commands, loop: EngineLoop) -> None:
-    """The core's reader thread: commands from the pipe into the loop's inbox; end-of-file (the
-    API process is gone) stops the loop."""
+def _read_commands(commands, loop: EngineLoop, fan: Fanout, link: int) -> None:
+    """A link's reader thread: commands from the pipe into the loop's inbox. `stop` or end-of-file
+    on the first link (the process that started the core is gone) stops the loop; on another
+    link, that API process leaves."""
     try:
         while True:
             cmd = commands.recv()
             if cmd[0] == "stop":
                 break
-            loop.send(cmd)
+            fan.command(link, cmd, loop)
     except (EOFError, OSError):
         pass
-    loop.request_stop()
+    if link == 0:
+        loop.request_stop()
+    else:
+        fan.leave(link, loop)

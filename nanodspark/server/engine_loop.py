@@ -80,7 +80,7 @@ class StepOutputs:
     spec: array = field(default_factory=lambda: array("q"))   # len(SPEC_FIELDS) counters per row
     finished: dict[int, tuple[str, str | None]] = field(default_factory=dict)   # row -> (reason, error)
     failed: list[tuple[str, int, str, str]] = field(default_factory=list)       # (id, status, type, message)
-    waits: list[tuple[float, float]] = field(default_factory=list)   # per finished request: (queue, prefill) s
+    waits: list[tuple[str, float, float]] = field(default_factory=list)   # per finished request: (id, queue s, prefill s)
     state: EngineState | None = None
     closing: tuple[int, str, str] | None = None   # the loop ended: (status, type, message) for the rest
 
@@ -122,6 +122,22 @@ class StepOutputs:
         out.spec.frombytes(np.concatenate(spec).reshape(len(ids), -1)[latest].astype(np.int64).tobytes())
         for i in sorted(finishes):                  # a later finish wins, as it would step by step
             out.finished[int(row[i])] = finishes[i]
+        return out
+
+    def pick(self, keep: np.ndarray) -> "StepOutputs":
+        """The rows where `keep` (a bool per row) holds, as a `StepOutputs` of their own (tokens,
+        counters, finishes; the lists and the state are the caller's to split)."""
+        out = StepOutputs()
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            return out
+        counts = _ints(self.num_tokens)
+        out.request_ids = [self.request_ids[i] for i in rows.tolist()]
+        out.num_tokens.frombytes(counts[rows].astype(np.int64).tobytes())
+        out.token_ids.frombytes(_ints(self.token_ids)[np.repeat(keep, counts)].astype(np.int64).tobytes())
+        out.spec.frombytes(_ints(self.spec).reshape(len(counts), -1)[rows].astype(np.int64).tobytes())
+        new_row = np.cumsum(keep) - 1
+        out.finished = {int(new_row[i]): f for i, f in self.finished.items() if keep[i]}
         return out
 
     def rows(self):
@@ -390,7 +406,8 @@ class EngineLoop:
             o.finished[len(o.request_ids)] = (out.finish_reason, getattr(out, "error", None))
             req = getattr(self.engine, "requests", {}).get(out.request_id)
             if getattr(req, "first_token_time", None) is not None and req.scheduled_time is not None:
-                o.waits.append((req.scheduled_time - req.arrival, req.first_token_time - req.scheduled_time))
+                o.waits.append((out.request_id, req.scheduled_time - req.arrival,
+                                req.first_token_time - req.scheduled_time))
             self.engine.release(out.request_id)
             self._live.discard(out.request_id)
         o.request_ids.append(out.request_id)

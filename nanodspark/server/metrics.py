@@ -8,7 +8,11 @@ back: the API side's `OutputProcessor` (outputs.py, on the event loop, never on 
 step) feeds each request's tokens to `on_tokens` and its end to `on_finish`, and every
 `EngineState` the engine side sends (queue lengths, KV usage, DSpark and EPLB summaries, device
 memory) to `set_engine_state`. The HTTP layer counts answered requests with `count_request`.
-`render()` returns the Prometheus text exposition.
+`render()` returns the Prometheus text exposition. With several API processes (`serve.py
+--api-server-count N`) each keeps its own series and writes them to a shared folder (`share`, at
+most every `SHARE_INTERVAL_S`, and at each scrape); a scrape of any of them answers for all
+(`merge_expositions`: counters and histograms summed, the engine's gauges as the answering
+process last heard them, τ recomputed from the summed counters).
 
 The process itself is measured too, so a load test can watch the server's memory from outside:
 prometheus_client's standard `process_*` series (`process_resident_memory_bytes`, CPU seconds,
@@ -39,8 +43,10 @@ Invariants
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
@@ -182,6 +188,7 @@ class Metrics:
         self.eplb_rebalances = Gauge(p + "eplb_rebalances", "Rebalances of the expert placement so far", registry=r)
         self.eplb_rebalance_seconds = Gauge(p + "eplb_last_rebalance_seconds", "Wall time of the last rebalance "
                                             "(read the window, place, move the weights)", registry=r)
+        self._shared: tuple[Path, int] | None = None   # (folder, this API process's index)
         self._tau_committed = 0
         self._tau_steps = 0
         self._live: dict[str, _Track] = {}
@@ -197,9 +204,40 @@ class Metrics:
         self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(code)).inc()
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
+        """The Prometheus text exposition and its content type (of every API process, when shared)."""
+        own = self.write_share()
+        if self._shared is None:
+            return own, CONTENT_TYPE_LATEST
+        folder, index = self._shared
+        others = []
+        for f in sorted(folder.glob("api-*.prom")):
+            if f.name != f"api-{index}.prom":
+                try:
+                    others.append(f.read_bytes())
+                except OSError:      # being replaced this instant: the next scrape has it
+                    pass
+        return merge_expositions(own, others), CONTENT_TYPE_LATEST
+
+    SHARE_INTERVAL_S = 0.25    # how stale another API process's series may be in a scrape
+
+    def share(self, folder, index: int) -> None:
+        """This is API process `index` of several: its series go to `folder` (see the module)."""
+        self._shared = (Path(folder), index)
+
+    @property
+    def shared(self) -> bool:
+        return self._shared is not None
+
+    def write_share(self) -> bytes:
+        """Flush, and (when shared) write this process's exposition for the others; returns it."""
         self.flush()
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        own = generate_latest(self.registry)
+        if self._shared is not None:
+            folder, index = self._shared
+            tmp = folder / f".api-{index}.prom.tmp"
+            tmp.write_bytes(own)
+            os.replace(tmp, folder / f"api-{index}.prom")   # a reader sees the old file or the new one
+        return own
 
     def flush(self) -> None:
         """Add what the rows since the last flush summed up to the Prometheus series."""
@@ -322,3 +360,51 @@ class Metrics:
         last = summary.get("last_rebalance")
         if last:
             self.eplb_rebalance_seconds.set(last["seconds"])
+
+
+# Gauges that are a sum over the API processes; every other gauge is the engine's (each process
+# hears the same state), taken from the process that answers the scrape.
+SUMMED_GAUGES = ("nanodspark_requests_in_flight", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+                 "process_open_fds")
+
+
+def merge_expositions(own: bytes, others: list[bytes]) -> bytes:
+    """One exposition for several API processes: counter and histogram samples summed (their
+    `_created` the earliest), the gauges of `SUMMED_GAUGES` summed, `process_start_time_seconds`
+    the earliest, other gauges `own`'s (else the first that has them); `spec_tau` recomputed as
+    committed / verify steps of the summed counters."""
+    families: dict[str, dict] = {}
+    for text in (own, *others):
+        fam = None
+        for line in text.decode().splitlines():
+            if line.startswith("# "):
+                _, what, name, rest = (line.split(" ", 3) + [""])[:4]
+                if name not in families:
+                    families[name] = {"head": [], "type": "untyped", "samples": {}, "from": id(text)}
+                fam = families[name]
+                if fam["from"] == id(text):
+                    fam["head"].append(line)
+                if what == "TYPE":
+                    fam["type"] = rest
+                continue
+            if not line or fam is None:
+                continue
+            key, _, value = line.rpartition(" ")
+            v, samples = float(value), fam["samples"]
+            if key not in samples:
+                samples[key] = v
+            elif key.partition("{")[0].endswith("_created") or key.startswith("process_start_time_seconds"):
+                samples[key] = min(samples[key], v)
+            elif fam["type"] in ("counter", "histogram", "summary") or key.partition("{")[0] in SUMMED_GAUGES:
+                samples[key] += v
+    tau = families.get("nanodspark_spec_tau")
+    steps = families.get("nanodspark_spec_verify_steps", {}).get("samples", {}).get("nanodspark_spec_verify_steps_total")
+    committed = families.get("nanodspark_spec_committed_tokens", {}).get("samples", {}).get(
+        "nanodspark_spec_committed_tokens_total")
+    if tau is not None and steps and committed is not None:
+        tau["samples"]["nanodspark_spec_tau"] = committed / steps
+    lines = []
+    for fam in families.values():
+        lines += fam["head"]
+        lines += [f"{k} {floatToGoString(v)}" for k, v in fam["samples"].items()]
+    return ("\n".join(lines) + "\n").encode()

@@ -125,7 +125,7 @@ class OutputProcessor:
             if h is not None and not h.ended:
                 self.metrics.forget(rid)
                 self._put(h, APIError(status, message, kind))
-        for queue, prefill in b.waits:
+        for _, queue, prefill in b.waits:
             self.metrics.engine_waits(queue, prefill)
         if b.state is not None:
             s = b.state

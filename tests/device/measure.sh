@@ -31,6 +31,8 @@
 #   api      the API process before (.carry/old) and after, side by side: both servers up, each warmed,
 #            then c256 and c64 over HTTP in alternating rounds (old new new old), then the engine
 #            in-process at 64 / 256 on the same work
+#   apis     serve.py with 1, 2 and 4 API processes (--api-server-count) side by side over HTTP at 64 / 256,
+#            rounds n1 n2 n4 n4 n2 n1, then the engine in-process on the same work
 #   scale    DSpark at paper scale, measured: the Qwen3-8B shape with random weights, its drafts accepted
 #            by a synthetic law (each request's rate uniform in LO:HI; LAWS, default 0.3:0.96, tau 2.5):
 #            the step-cost profiles in the overlapped loop (unless TABLE names one; SHARES, default
@@ -41,8 +43,8 @@
 #            the archive is rewritten after each part, so a cut call still brings back what ran)
 # Everything lands in $OUT/STAGE.tgz (a call brings back at most 8 files) and a summary.
 set -o pipefail
-stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|scale|last}
-case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|scale|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, ttft, api, scale, last)" >&2; exit 2 ;; esac
+stage=${1:?usage: measure.sh step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|apis|scale|last}
+case $stage in step|serve|front|api-profile|busy|overlap|thesis|waves|repeat|ttft|api|apis|scale|last) ;; *) echo "unknown stage $stage (step, serve, front, api-profile, busy, overlap, thesis, waves, repeat, ttft, api, apis, scale, last)" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONUNBUFFERED=1 NANODSPARK_DATA=$PWD/.carry/shared/data
@@ -231,6 +233,33 @@ api)
     --out "$R/engine.json" > "$R/engine.txt" 2>&1
   echo "engine rc=$?"; pack
   for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=|server, mean" "$f"; done ;;
+apis)        # serve.py with 1, 2 and 4 API processes (--api-server-count), all up at once and warmed, then
+             # rounds n1 n2 n4 n4 n2 n1 over HTTP at 256 and 64, then the engine in-process on the same work
+  pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
+  declare -A port=([n1]=18711 [n2]=18712 [n4]=18714)
+  for side in n1 n2 n4; do
+    env PYTHONPATH=.:/tmp/site python3 serve.py --port ${port[$side]} --log-level warning --max-num-seqs 256 \
+      --kv-cache-memory-gb 4 --no-enable-prefix-cache --api-server-count ${side#n} > "$R/server_$side.log" 2>&1 &
+    pids+=($!)
+  done
+  for side in n1 n2 n4; do ready ${port[$side]}; done
+  for side in n1 n2 n4; do
+    timeout 40 $new serve --frontend http --url http://127.0.0.1:${port[$side]} --systems static --concurrency 256 \
+      --warmup-s 2 --duration 4 > "$R/warm_$side.txt" 2>&1
+  done
+  round=0
+  for side in n1 n2 n4 n4 n2 n1; do
+    round=$((round + 1))
+    timeout 60 $new serve --frontend http --url http://127.0.0.1:${port[$side]} --systems static --concurrency 256 64 \
+      --warmup-s 2 --duration 6 --out "$R/http_${side}_$round.json" > "$R/http_${side}_$round.txt" 2>&1
+    echo "http $side round $round rc=$?"; pack
+  done
+  kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null
+  echo "server exits: $(grep -l "^error" "$R"/server_*.log 2>/dev/null | wc -l) with an error"
+  timeout 100 $new serve --frontend engine --systems static --concurrency 256 64 --warmup-s 2 --duration 6 \
+    --out "$R/engine.json" > "$R/engine.txt" 2>&1
+  echo "engine rc=$?"; pack
+  for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=" "$f"; done ;;
 scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABLE: a Qwen3-8B cost table (else
              # profiled here, the target's own profile in the same file); AA=0: no A/A; AA_ONLY=1: only it (AA_CONC)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
