@@ -5,7 +5,8 @@ The idea
 Check that the port is free, start the engine core (`nanodspark/server/core.py`: the engine in a
 process of its own, apart from HTTP and text) and wait until it is ready, log a start-up summary
 (model, drafter, dtype, device, KV blocks and tokens, concurrency, CUDA graphs), then serve the
-FastAPI app of `nanodspark/server/app.py` with uvicorn. With no model it serves the embedded
+FastAPI app of `nanodspark/server/app.py` with uvicorn (and, with `--api-server-count N`, from
+N-1 more API processes on the same port). With no model it serves the embedded
 default pair (`nanodspark/assets/default`) on CUDA if present, else the CPU, at
 http://127.0.0.1:8000, and prints a curl to paste. `--single-process` runs the engine in a thread
 of the server's process instead (one interpreter lock for both; simpler to read and debug).

@@ -120,6 +120,23 @@ def test_one_link_is_passed_through_untouched():
     assert _drain(fan.sends[0]) == [("out", b)]
 
 
+def test_a_started_fanout_splits_in_its_own_thread_and_keeps_the_order():
+    from array import array
+    fan, loop = Fanout(2), _Inbox()
+    fan.start()
+    fan.command(0, ("add", "a", [1], None), loop)
+    fan.command(1, ("add", "b", [1], None), loop)
+    for k in range(50):
+        fan.emit(StepOutputs(request_ids=["a", "b"], num_tokens=array("l", [1, 2]), token_ids=array("l", [k, k, -k]),
+                             spec=array("q", [0] * (2 * len(SPEC_FIELDS)))))
+    fan.put_all(("stopped", None))
+    fan.put_all(None)                      # joins the router
+    for link, want in ((0, [[k] for k in range(50)]), (1, [[k, -k] for k in range(50)])):
+        msgs = _drain(fan.sends[link])
+        assert msgs[-2:] == [("stopped", None), None]
+        assert [ids for m in msgs[:-2] for _, ids, _, _ in m[1].rows()] == want
+
+
 # ----------------------------------------------------------------------------- metrics of several processes
 def _feed(m: Metrics, events, now=100.0):
     for i, (rid, n_tokens, steps) in enumerate(events):

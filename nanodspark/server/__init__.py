@@ -3,7 +3,7 @@
 The idea
 --------
 Everything that serves requests over HTTP, and nothing the engine needs: the engine (the core,
-`nanodspark/*.py`) never imports this package. Six files, each readable on its own:
+`nanodspark/*.py`) never imports this package. Seven files, each readable on its own:
 
 * `app.py`: **the handlers** (`OpenAIServer`, on the asyncio event loop), the input limits (body
   size, prompt length, context), the API key, the worker threads that parse and tokenize bodies,
@@ -14,7 +14,8 @@ Everything that serves requests over HTTP, and nothing the engine needs: the eng
 * `engine_loop.py`: **the engine side** (`EngineLoop`), the only caller of the engine while
   serving, token ids in and out (`StepOutputs`); in a thread, or in the engine core.
 * `core.py`: **the engine-core process** (`run_core`) and the API process's handle on it
-  (`CoreClient`): `serve.py` runs the engine there, apart from HTTP and text.
+  (`CoreClient`, a `CoreLink`): `serve.py` runs the engine there, apart from HTTP and text.
+* `api_servers.py`: **several API processes** on that one core (`serve.py --api-server-count N`).
 * `openai_api.py`: **the OpenAI shapes** as plain functions: `parse_json_body`, `check_fields`,
   `parse_sampling`, `check_context`, `get_field`, `message_text`, `usage_of`, `sse_event`, and
   the errors (`APIError`, `bad_request`).

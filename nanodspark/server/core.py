@@ -283,6 +283,7 @@ def run_core(model_path, config, links, log_level: str = "info") -> None:
     info = EngineInfo.of(engine, load_seconds=time.monotonic() - t0, model=str(resolve_model_dir(model_path)))
     engine.tokenizer = None      # the API processes do all text work: the core never decodes
     fan = Fanout(len(links))
+    fan.start()
     loop = EngineLoop(engine, emit=fan.emit, own_process=True)
     senders = [threading.Thread(target=_send_all, args=(q, outputs), name=f"nanodspark-core-sender-{i}")
                for i, (q, (_, outputs)) in enumerate(zip(fan.sends, links))]
@@ -309,18 +310,49 @@ def run_core(model_path, config, links, log_level: str = "info") -> None:
 class Fanout:
     """One engine loop serving several links: each request is noted with the link it came from,
     each step's `StepOutputs` is split back by link, and a link's `abort_all` or departure aborts
-    only its own requests. With one link nothing is noted or split."""
+    only its own requests. With one link nothing is noted or split. Once `start`ed, the split
+    runs in a router thread of its own, not on the step loop's thread."""
 
     def __init__(self, n: int):
         self.sends = [queue.SimpleQueue() for _ in range(n)]   # per link, for its sender thread
         self.open = [True] * n
         self._owner: dict[str, int] = {}       # request id -> link (n > 1 only)
-        self._lock = threading.Lock()          # readers add owners, the loop's thread removes them
+        self._lock = threading.Lock()          # readers add owners, the router removes them
+        self._routed: queue.SimpleQueue | None = None
+        self._router: threading.Thread | None = None
+
+    def start(self) -> None:
+        if len(self.sends) > 1:
+            self._routed = queue.SimpleQueue()
+            self._router = threading.Thread(target=self._route_all, name="nanodspark-core-router", daemon=True)
+            self._router.start()
+
+    def _route_all(self) -> None:
+        while True:
+            msg = self._routed.get()
+            self._route(msg)
+            if msg == ("all", None):
+                return
+
+    def _route(self, msg: tuple) -> None:
+        kind, payload = msg
+        if kind == "all":
+            for q, is_open in zip(self.sends, self.open):
+                if is_open:
+                    q.put(payload)
+        else:
+            for link, part in enumerate(self.split(payload)):
+                if part and self.open[link]:
+                    self.sends[link].put(("out", part))
 
     def put_all(self, msg) -> None:
-        for q, is_open in zip(self.sends, self.open):
-            if is_open:
-                q.put(msg)
+        """`msg` to every open link, after every batch emitted before it (None ends the senders)."""
+        if self._routed is not None:
+            self._routed.put(("all", msg))
+            if msg is None:
+                self._router.join(30)
+        else:
+            self._route(("all", msg))
 
     def command(self, link: int, cmd: tuple, loop: EngineLoop) -> None:
         if len(self.sends) > 1:
@@ -350,10 +382,10 @@ class Fanout:
         """The loop's `emit`: the batch to its link(s)."""
         if len(self.sends) == 1:
             self.sends[0].put(("out", batch))
-            return
-        for link, part in enumerate(self.split(batch)):
-            if part and self.open[link]:
-                self.sends[link].put(("out", part))
+        elif self._routed is not None:
+            self._routed.put(("out", batch))
+        else:
+            self._route(("out", batch))
 
     def split(self, batch: StepOutputs) -> list[StepOutputs]:
         """A `StepOutputs` per link: its requests' rows, admissions, failures and waits; the

@@ -8,15 +8,11 @@ back: the API side's `OutputProcessor` (outputs.py, on the event loop, never on 
 step) feeds each request's tokens to `on_tokens` and its end to `on_finish`, and every
 `EngineState` the engine side sends (queue lengths, KV usage, DSpark and EPLB summaries, device
 memory) to `set_engine_state`. The HTTP layer counts answered requests with `count_request`.
-`render()` returns the Prometheus text exposition. With several API processes (`serve.py
---api-server-count N`) each keeps its own series and writes them to a shared folder (`share`, at
-most every `SHARE_INTERVAL_S`, and at each scrape); a scrape of any of them answers for all
-(`merge_expositions`: counters and histograms summed, the engine's gauges as the answering
-process last heard them, τ recomputed from the summed counters).
+`render()` returns the Prometheus text exposition; with several API processes each writes its
+series to a shared folder (`share`) and any of them answers for all (`merge_expositions`).
 
-The process itself is measured too, so a load test can watch the server's memory from outside:
-prometheus_client's standard `process_*` series (`process_resident_memory_bytes`, CPU seconds,
-open file descriptors; Linux only) describe the API server's process, and
+The process is measured too: prometheus_client's `process_*` series (memory, CPU seconds, open
+files; Linux only) describe the API server's process(es), and
 `nanodspark_engine_core_resident_memory_bytes` the engine-core process (when the engine runs in
 one, core.py); on CUDA, `nanodspark_device_memory_bytes` (allocated and reserved by torch's
 caching allocator, in the engine's process). `nanodspark_requests_in_flight` is the server's own

@@ -32,7 +32,8 @@
 #            then c256 and c64 over HTTP in alternating rounds (old new new old), then the engine
 #            in-process at 64 / 256 on the same work
 #   apis     serve.py with 1, 2 and 4 API processes (--api-server-count) side by side over HTTP at 64 / 256,
-#            rounds n1 n2 n4 n4 n2 n1, then the engine in-process on the same work
+#            rounds n1 n2 n4 n4 n2 n1 (each also at 256 from two client processes of 128; TWO=0: not),
+#            then the engine in-process on the same work
 #   scale    DSpark at paper scale, measured: the Qwen3-8B shape with random weights, its drafts accepted
 #            by a synthetic law (each request's rate uniform in LO:HI; LAWS, default 0.3:0.96, tau 2.5):
 #            the step-cost profiles in the overlapped loop (unless TABLE names one; SHARES, default
@@ -250,16 +251,23 @@ apis)        # serve.py with 1, 2 and 4 API processes (--api-server-count), all 
   round=0
   for side in n1 n2 n4 n4 n2 n1; do
     round=$((round + 1))
-    timeout 60 $new serve --frontend http --url http://127.0.0.1:${port[$side]} --systems static --concurrency 256 64 \
-      --warmup-s 2 --duration 6 --out "$R/http_${side}_$round.json" > "$R/http_${side}_$round.txt" 2>&1
-    echo "http $side round $round rc=$?"; pack
+    url="--frontend http --url http://127.0.0.1:${port[$side]} --systems static --warmup-s 2 --duration 6"
+    timeout 60 $new serve $url --concurrency 256 64 --out "$R/http_${side}_$round.json" > "$R/http_${side}_$round.txt" 2>&1
+    echo "http $side round $round rc=$?"
+    if [ "${TWO:-1}" = 1 ]; then    # the same server at 256 from two client processes of 128: is one client the bound?
+      timeout 40 $new serve $url --concurrency 128 --out "$R/two_${side}_${round}_a.json" > "$R/two_${side}_${round}_a.txt" 2>&1 &
+      a=$!
+      timeout 40 $new serve $url --concurrency 128 --out "$R/two_${side}_${round}_b.json" > "$R/two_${side}_${round}_b.txt" 2>&1
+      wait $a; echo "two clients $side round $round done"
+    fi
+    pack
   done
   kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null
   echo "server exits: $(grep -l "^error" "$R"/server_*.log 2>/dev/null | wc -l) with an error"
   timeout 100 $new serve --frontend engine --systems static --concurrency 256 64 --warmup-s 2 --duration 6 \
     --out "$R/engine.json" > "$R/engine.txt" 2>&1
   echo "engine rc=$?"; pack
-  for f in "$R"/http_*.txt "$R/engine.txt"; do echo "== $f"; grep -E "c=" "$f"; done ;;
+  for f in "$R"/http_*.txt "$R"/two_*.txt "$R/engine.txt"; do echo "== ${f##*/}"; grep -E "c=" "$f"; done ;;
 scale)       # LAWS (default 0.3:0.96): a sweep per law of SYSTEMS at CONC; TABLE: a Qwen3-8B cost table (else
              # profiled here, the target's own profile in the same file); AA=0: no A/A; AA_ONLY=1: only it (AA_CONC)
   pack() { tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage"; }
