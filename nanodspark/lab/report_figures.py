@@ -31,6 +31,14 @@ _SS = "sweep[mode={m},concurrency={c}].total_tok_s"
 _PAIRED = "paired[concurrency={c},ratio={r}].median"
 _G = "sweep[mode={m},concurrency={c}].total_tok_s"
 _ACC = "sweep[mode={m},concurrency={{c}}].accounting"
+# one row of benchmarks/api_servers_h200.json's summary (% (concurrency, client processes))
+_APIS = "a:summary[call={call},side=n{n},concurrency=%d,clients=%d]"
+
+
+def _ratio_range(row: str) -> str:
+    return f"<{row}.over_in_process|.2f> (<{row}.over_in_process_min|.2f>–<{row}.over_in_process_max|.2f>)"
+
+
 # compact's steps in which some, none and all of the requests drafted (a partial step, a plain one)
 _COMPACT_STEPS = " · ".join(f"<{_ACC.format(m='compact')}.{f}|.0f>" for f in ("partial_steps", "plain_steps", "steps"))
 
@@ -246,6 +254,30 @@ FIGURES = [
              "<a:summary[call={call},side={side},concurrency=256].api_cpu_share|.2f>"]],
            [{"call": c, "side": s} for c, sides in (("1", ("old", "new")), ("2", ("old", "new", "swi")),
                                                       ("3", ("old", "new"))) for s in sides]),
+
+    Figure("serve-api-servers", {"a": "benchmarks/api_servers_h200.json"},
+           H200 + "; the default pair with its drafter (static windows), closed loop, mix workload, greedy; "
+           "`serve.py --api-server-count N` for N = 1, 2, 4, the three servers up at once and warmed, then rounds "
+           "n1 n2 n4 n4 n2 n1, one 6 s window after 2 s at 256 and at 64 from one client process; medians of two "
+           "rounds, ÷ in-process (min–max) against the engine in-process in the same call; call 1 on 7fbbec1, "
+           "call 2 on 3a8c5c7 (the core's split in a thread of its own)",
+           ["call", "API processes", "HTTP tok/s, 64 · 256", "÷ in-process at 64", "÷ in-process at 256",
+            "per-user tok/s at 256", "TTFT p50 ms at 256", "cores at 256: API processes · client"],
+           [["{call}", "{n}", f"<{_APIS % (64, 1)}.total_tok_s|,.0f> · <{_APIS % (256, 1)}.total_tok_s|,.0f>",
+             _ratio_range(_APIS % (64, 1)), _ratio_range(_APIS % (256, 1)),
+             f"<{_APIS % (256, 1)}.per_user_tok_s|,.0f>", f"<{_APIS % (256, 1)}.ttft_p50_ms|.0f>",
+             f"<{_APIS % (256, 1)}.api_cpu_share|.2f> · <{_APIS % (256, 1)}.client_cpu_share|.2f>"]],
+           [{"call": c, "n": n} for c in ("1", "2") for n in (1, 2, 4)]),
+
+    Figure("serve-api-servers-two-clients", {"a": "benchmarks/api_servers_h200.json"},
+           H200 + "; call 2 of the table above, each round's server also at 256 from two client processes of 128 "
+           "streams at once (their tok/s summed); medians of two rounds",
+           ["API processes", "tok/s at 256: one client · two", "÷ in-process: one client · two",
+            "client cores: one · two"],
+           [["{n}"] + [" · ".join(f"<{_APIS % (256, k)}.{field}|{fmt}>" for k in (1, 2))
+                       for field, fmt in (("total_tok_s", ",.0f"), ("over_in_process", ".2f"),
+                                          ("client_cpu_share", ".2f"))]],
+           [{"call": "2", "n": n} for n in (1, 2, 4)]),
 
     Figure("server-load", {k: f"benchmarks/server_load_{k}.json" for k in _SERVER},
            "`python serve.py` (the default pair) on loopback; CPU rows on 2 shared cores, float32",
