@@ -14,18 +14,18 @@ and `EngineCore`) and SGLang (tokenizer manager, scheduler, detokenizer) do:
     reader thread → event loop: OutputProcessor  ◀── outputs ── sender thread ◀── StepOutputs
       (detokenize, stop strings, metrics, SSE)
 
-The transport is two one-way `multiprocessing` pipes (spawn context) carrying pickled tuples:
+A link is two one-way `multiprocessing` pipes (spawn context) carrying pickled tuples:
 `("add", id, token ids, params)`, `("abort", id)`, `("abort_all",)`, `("stop",)` in; `("ready",
 EngineInfo)` or `("failed", kind, message)` once, then `("out", StepOutputs)` (token ids as
 arrays, never text), and last `("stopped",)` or `("fatal", message)` out. Why pipes and not ZMQ:
 one peer each way, ordered, and end-of-file when the other side dies (so neither process can
 outlive the other unnoticed), with no new dependency on the GPU image. The core's pipe ends are
 served by threads, so the step loop never waits on a pipe; the API side never waits either.
+With several API processes (api_servers.py) the core serves a link each (`Fanout`: requests
+noted by link, each step's outputs split by link); the first link's `stop` stops the core.
 
-The core does no text work (no stop strings, `stream_text=False`, no tokenizer): the API side
-sees a stop string, answers at once and sends an abort; tokens made meanwhile are dropped.
-
-Lifecycle: `CoreClient(...)` spawns the process and `wait_ready()` returns the `EngineInfo` (or
+The core does no text work (no stop strings, no tokenizer): the API side sees a stop string,
+answers and sends an abort; tokens made meanwhile are dropped. Lifecycle: `CoreClient(...)` spawns the process and `wait_ready()` returns the `EngineInfo` (or
 raises `CoreStartError` with the core's reason); `start()` begins reading outputs; `stop()`
 sends `stop`, waits for the core to abort what it holds and exit, and kills it if it does not
 within the timeout. The core ignores SIGINT (Ctrl-C reaches the whole process group; the API
