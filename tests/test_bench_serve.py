@@ -215,6 +215,8 @@ def test_spawned_servers_get_each_system_its_flags():
     assert "--drafter-path none" in " ".join(bsv.serve_command(_args(), "no-spec", 1)) and \
         "cost.json" not in " ".join(bsv.serve_command(_args(), "no-spec", 1))
     assert "--verify-min-gain 1e9" in " ".join(bsv.serve_command(_args(), "compact-no-trim", 1))
+    assert "--api-server-count" not in s and \
+        "--api-server-count 2" in " ".join(bsv.serve_command(_args(api_server_count=2), "static", 1))
     tmpl = bsv.serve_command(_args(serve_cmd="python serve.py --model x {flags} --port {port}"), "static", 9)
     assert tmpl == ["python", "serve.py", "--model", "x", "--verify-mode", "static", "--cost-table", "cost.json",
                     "--drafter-path", "dr", "--port", "9"]

@@ -551,6 +551,8 @@ def serve_command(args, system: str, port: int) -> list[str]:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if getattr(args, "max_waiting_steps", "auto") != "auto":
         cmd += ["--max-waiting-steps", str(args.max_waiting_steps)]
+    if getattr(args, "api_server_count", 1) > 1:
+        cmd += ["--api-server-count", str(args.api_server_count)]
     return cmd
 
 
@@ -866,6 +868,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
     p.add_argument("--spawn", action="store_true", help="http: start one serve.py per system, wait for /health")
     p.add_argument("--serve-cmd", default=None,
                    help="http: the command that starts a server, with {port} and {flags} (the system's flags)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="http --spawn: serve.py's API processes in front of its engine core")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="http: seconds before one request counts as an error")
