@@ -390,23 +390,24 @@ class Fanout:
     def split(self, batch: StepOutputs) -> list[StepOutputs]:
         """A `StepOutputs` per link: its requests' rows, admissions, failures and waits; the
         engine's state and a `closing` go to every link. Ended requests are forgotten."""
-        n = len(self.sends)
-        with self._lock:
-            owner = self._owner
-            rows = np.fromiter((owner.get(r, -1) for r in batch.request_ids), np.int64, len(batch.request_ids))
-            parts = [batch.pick(rows == link) for link in range(n)]
-            for part in parts:
-                part.state, part.closing = batch.state, batch.closing
-            for entry in batch.admitted:
-                parts[owner.get(entry[1], 0)].admitted.append(entry)
-            for entry in batch.failed:
-                parts[owner.get(entry[0], 0)].failed.append(entry)
-            for entry in batch.waits:
-                parts[owner.get(entry[0], 0)].waits.append(entry)
-            ended = [e[1] for e in batch.admitted if e[0] == "refused"] + [e[0] for e in batch.failed] + \
-                [batch.request_ids[i] for i in batch.finished]
+        ended = [e[1] for e in batch.admitted if e[0] == "refused"] + [e[0] for e in batch.failed] + \
+            [batch.request_ids[i] for i in batch.finished]
+        with self._lock:                 # the lookups under the lock; the arrays' work outside it
+            get = self._owner.get
+            rows = np.fromiter((get(r, -1) for r in batch.request_ids), np.int64, len(batch.request_ids))
+            admitted, failed, waits = ([get(e[k], 0) for e in entries] for entries, k in
+                                       ((batch.admitted, 1), (batch.failed, 0), (batch.waits, 0)))
             for rid in ended:
-                owner.pop(rid, None)
+                self._owner.pop(rid, None)
+        parts = [batch.pick(rows == link) for link in range(len(self.sends))]
+        for part in parts:
+            part.state, part.closing = batch.state, batch.closing
+        for entry, link in zip(batch.admitted, admitted):
+            parts[link].admitted.append(entry)
+        for entry, link in zip(batch.failed, failed):
+            parts[link].failed.append(entry)
+        for entry, link in zip(batch.waits, waits):
+            parts[link].waits.append(entry)
         return parts
 
 
