@@ -389,3 +389,19 @@ def test_a_shape_with_random_weights_runs_the_sweep_under_a_synthetic_law(tmp_pa
     with pytest.raises(ValueError, match="load_format='dummy'"):
         bsv.serve_bench(build_parser().parse_args(["serve", "--systems", "static", "--synthetic-acceptance",
                                                    "0.5:0.6", "--concurrency", "1", "--kv-gb", "0.05"]))
+
+
+def test_every_committed_token_of_a_real_engine_is_counted_from_the_step_arrays(tmp_path):
+    """On a real engine most decode rows come back as arrays (`StepOutputs.rows`), not as
+    `RequestOutput`s: the closed loop must count their tokens too, so every completed request's
+    chunks add up to its output length, and most of its chunks come from those rows."""
+    from nanodspark import LLM
+    from nanodspark.lab.shapes import materialize
+    llm = LLM(str(materialize("tiny-dense", tmp_path / "tiny-dense")), load_format="dummy", device="cpu",
+              max_model_len=128, num_kv_blocks=128, use_tqdm=False, max_num_seqs=4)
+    work = ServeWorkload([[5, 6, 7, 8], [9, 10, 11]], ["math", "chat"], np.array([12, 9, 15, 10]))
+    run = engine_closed_loop(llm.engine, work, 4, warmup_s=0.0, duration_s=0.0, num_requests=6)
+    done = [r for r in run.records if r.measured and r.end is not None]
+    assert len(done) == 6 and all(r.error is None for r in done)
+    assert all(sum(n for _, n in r.chunks) == r.tokens == work.request(r.index)[2] for r in done)
+    assert all(len(r.chunks) > 2 for r in done)          # not only the first token and the last step

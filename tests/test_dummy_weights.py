@@ -133,3 +133,39 @@ def test_profile_refuses_a_shape_with_a_model_and_a_kv_cache_too_small(tmp_path,
     with pytest.raises(SystemExit, match="raise --kv-gb"):
         main(["profile-plain", "--shape", "tiny-dense", "--batch-sizes", "64", "--context", "512",
               "--kv-gb", "0.0005", "--out", str(tmp_path / "p.json")])
+
+
+def test_the_smollm2_shape_has_the_drafter_train_heads_trains_for_it():
+    """`smollm2-135m` is the pretrained pair's target (a tied Llama of 134.5M parameters) with the
+    drafter `train_heads.py` trains by default, not DSpark's: 2 layers, gamma 5, MLP 640, Markov
+    rank 64, target layers about n/4, n/2, n-2 (the trained drafter had 11,272,449 parameters)."""
+    from nanodspark.drafter import Drafter
+    from nanodspark.lab.shapes import describe, drafter_config
+    cfg = ModelConfig.from_dict(shape_config("smollm2-135m"))
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.tie_word_embeddings) == ("llama", 30, 576, True)
+    d = drafter_config("smollm2-135m", cfg)
+    assert (d.num_layers, d.gamma, d.intermediate_size, d.markov_rank, d.target_layer_ids) == (2, 5, 640, 64, [7, 15, 28])
+    assert drafter_config("qwen3-8b", ModelConfig.from_dict(shape_config("qwen3-8b"))).gamma == 7
+    with torch.device("meta"):                # the embedding and head are the target's, shared
+        shared = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        assert sum(p.numel() for p in Drafter(d, *shared).parameters()) == 11_272_449
+    assert "drafter 2 layers, gamma 5" in describe("smollm2-135m")
+
+
+def test_bench_engine_runs_a_shape_with_and_without_its_drafter_under_a_law(tmp_path):
+    """`bench engine --shape`: random weights, the shape's drafter beside the target alone, and a
+    synthetic law that makes the random drafts accepted (tau > 1); the JSON says so. The law is
+    refused without a shape, and transformers' systems with one."""
+    from nanodspark.lab.bench import main
+    out = tmp_path / "e.json"
+    assert main(["engine", "--shape", "tiny-dense", "--synthetic-acceptance", "0.6:0.9", "--systems", "eager",
+                 "--batches", "2", "--max-tokens", "12", "--repeats", "1", "--profile-steps", "0", "--kv-gb", "0.05",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["random_weights"] and r["synthetic_acceptance"] == "0.6:0.9" and r["model"].startswith("tiny-dense shape")
+    rows = {row["drafter"] is not None: row for row in r["rows"]}
+    assert rows[True]["tau"] > 1.5 and rows[False]["tau"] is None and rows[True]["tokens"] == rows[False]["tokens"] == 24
+    with pytest.raises(SystemExit, match="needs --shape"):
+        main(["engine", "--synthetic-acceptance", "0.5:0.6", "--systems", "eager", "--batches", "1"])
+    with pytest.raises(SystemExit, match="hf-"):
+        main(["engine", "--shape", "tiny-dense", "--systems", "hf-static", "eager", "--batches", "1"])

@@ -235,7 +235,14 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
                                 for r in ledger.rows[n_rows:])
             b = clock()
             calls.append((a, b))
-            for o in outs:
+            # the quiet decode rows stay arrays (StepOutputs.rows): building a RequestOutput per
+            # row and step, as iterating `outs` does, was the client's largest cost at 256
+            for reqs, _, counts, _, _ in (outs.rows() if hasattr(outs, "rows") else ()):
+                for req, n in zip(reqs.tolist(), counts.tolist()):
+                    rec = live.get(req.request_id)
+                    if rec is not None and n:
+                        rec.chunks.append((b, n))
+            for o in getattr(outs, "outputs", outs):   # finished, streamed text, first tokens: built by the engine
                 rec = live.get(o.request_id)
                 if rec is None:
                     continue

@@ -186,6 +186,18 @@ def engine_speed(args) -> dict:
     tmp = tempfile.TemporaryDirectory()
     path = args.model
     model_desc = args.model or "Qwen3-0.6B shape, RANDOM weights"
+    shape = getattr(args, "shape", None)
+    dummy = {}
+    if shape is not None:                # the shape and its drafter, random weights allocated on the device
+        from .shapes import materialize
+        if any(s.startswith("hf-") for s in args.systems):
+            raise SystemExit("--shape has no checkpoint for transformers: leave the hf-* systems out")
+        path = str(materialize(shape, Path(tmp.name) / shape))
+        args.drafter = args.drafter or str(Path(path) / "drafter")
+        model_desc = f"{shape} shape, RANDOM weights"
+        dummy = dict(load_format="dummy")
+    elif getattr(args, "synthetic_acceptance", None):
+        raise SystemExit("--synthetic-acceptance needs --shape (random weights)")
     if path is None:
         path = str(random_checkpoint(QWEN3_0_6B, Path(tmp.name) / "qwen3-0.6b-random"))
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"] if Path(path, "config.json").exists() \
@@ -216,7 +228,9 @@ def engine_speed(args) -> dict:
             # systems do the same work.
             kw = dict(NS_SYSTEMS[s], drafter_path=drafter or "none", max_num_seqs=max(args.batches),
                       kv_cache_memory_gb=args.kv_gb, use_tqdm=False, enable_prefix_cache=False,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens, **dummy)
+            if drafter and getattr(args, "synthetic_acceptance", None):   # random drafts accepted by a law
+                kw["synthetic_acceptance"] = args.synthetic_acceptance
             t0 = time.perf_counter()
             try:
                 llm = LLM(path, **kw)
@@ -242,6 +256,8 @@ def engine_speed(args) -> dict:
             torch.cuda.empty_cache()
     tmp.cleanup()
     result = {"benchmark": "engine speed beside transformers", "model": model_desc, "prompts": args.prompts,
+              "random_weights": args.model is None,
+              "synthetic_acceptance": getattr(args, "synthetic_acceptance", None),
               "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": "bfloat16", **environment(),
               "rows": rows, "ratios": ratios(rows)}
@@ -287,7 +303,15 @@ def markdown(result) -> str:
 
 
 def add_speed_args(p) -> None:
-    p.add_argument("--model", default=None, help="a checkpoint directory; default: a random Qwen3-0.6B shape")
+    from .shapes import SHAPES
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help="a checkpoint directory; default: a random Qwen3-0.6B shape")
+    g.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a model shape (lab/shapes.py) with random weights and its drafter, no checkpoint; "
+                        "nanodspark systems only")
+    p.add_argument("--synthetic-acceptance", default=None, metavar="LO:HI",
+                   help="with --shape: each request accepts a draft with its own rate, uniform in [LO, HI] "
+                        "(verify.SyntheticAcceptance), so a random-weight drafter yields tokens like a trained one")
     p.add_argument("--drafter", default=None, help="also run every nanodspark system with this drafter")
     p.add_argument("--systems", nargs="+", default=["hf-dynamic", "hf-static", "eager", "graphs", "overlap"],
                    choices=["hf-dynamic", "hf-static", *NS_SYSTEMS],

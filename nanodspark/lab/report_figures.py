@@ -186,6 +186,18 @@ FIGURES = [
              "<rows[batch={b},drafter={d}].profile.kernels_per_step|.0f>"]],
            [{"b": b, "d": d, "name": name} for b in (64, 256) for d, name in (("null", "no"), ("*", "yes"))]),
 
+    Figure("gpu-busy-smollm2-shape", {"e": "benchmarks/engine_busy_smollm2_shape_h200.json"},
+           H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS (`--shape smollm2-135m`: the target and "
+           "the drafter train_heads.py trains for it, 2 layers, gamma 5), drafts accepted by a synthetic law (each "
+           "request's rate uniform in 0.3–0.6, τ as the trained drafter's 1.8), overlapped loop, no text in the "
+           "step, 128 random-token prompts, 128 new tokens, medians of 2",
+           ["batch", "drafter", "tok/s", "τ", "step ms", "GPU busy", "kernels per step"],
+           [["{b}", "{name}", "<rows[batch={b},drafter={d}].tokens_per_second|,.0f>", "{tau}",
+             "<rows[batch={b},drafter={d}].profile.step_ms|.2f>", "<rows[batch={b},drafter={d}].profile.gpu_busy|.2f>",
+             "<rows[batch={b},drafter={d}].profile.kernels_per_step|.0f>"]],
+           [{"b": b, "d": d, "name": name, "tau": "1" if d == "null" else f"<rows[batch={b},drafter=*].tau|.2f>"}
+            for b in (64, 256) for d, name in (("null", "no"), ("*", "yes"))]),
+
     Figure("host-per-step", {"h": "benchmarks/host_h200.json"},
            H200 + " (its 16-core host); `bench host`, the default pair with its drafter, synchronous step (the result "
            "phase holds the wait for the GPU), medians of 12 steps × 3 repeats",
@@ -337,6 +349,30 @@ FIGURES = [
                           for m in ("static", "compact"))]],
            [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
+    Figure("thesis-smollm2-shape", {"s": "benchmarks/steady_state_smollm2_shape_h200.json"},
+           H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, drafts accepted by a synthetic law "
+           "(rates uniform in 0.3–0.6), in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, "
+           "prefix cache off, admission in waves, compact on the shape's profiles timed in the overlapped loop "
+           "(`benchmarks/cost_table_smollm2_shape_h200.json`, carried as `.carry/smol/cost.json`), one 5 s window "
+           "per engine after 2 s, one round",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "A/A: static-b / static", "compact: plain steps / steps", "accepted / verified, static"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static",
+                                                              "static-b/static")]
+            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>",
+               f"<{_ACC.format(m='static')}.drafts_accepted / {_ACC.format(m='static')}.drafts_verified|.2f>"]],
+           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 128}, {"c": 256}]),
+
+    Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
+           H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
+           "rows as arrays, one 5 s window per engine after 2 s, one round",
+           ["concurrency", "no-spec tok/s", "static tok/s", "static-b tok/s", "static / no-spec",
+            "A/A: static-b / static"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "static-b")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "static-b/static")]],
+           [{"c": 64}, {"c": 256}]),
+
     _profile("cost-profile-smollm2", "benchmarks/cost_table_smollm2_h200.json", 5,
              H200 + "; the SmolLM2-135M-Instruct pair, whole synchronous steps with CUDA graphs, context 256, mix "
                     "prompts, 3 rounds"),
@@ -456,6 +492,19 @@ FIGURES = [
                                                               "compact/compact-no-partial")]
             + [_COMPACT_STEPS]],
            [{"c": c} for c in (1, 16, 64, 128)]),
+
+    Figure("plain-step-8b", {"a": "benchmarks/plain_probe_qwen3_8b_128_h200.json",
+                             "b": "benchmarks/plain_probe_qwen3_8b_256_h200.json"},
+           H200 + "; the Qwen3-8B shape with RANDOM WEIGHTS, a batch of decoding requests (random prompts of "
+           "137–200 tokens), steps timed in the overlapped loop, the two engines in 5 alternating rounds of 24 "
+           "steps (median); device time and idle gaps from 16 profiled steps each",
+           ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
+            "device µs per step: alone · plain", "device idle µs per step: alone · plain"],
+           [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",
+             "<{f}:step_ms.compact, plain step.median / {f}:step_ms.target alone.median|.3f>",
+             "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f>",
+             "<{f}:idle.target alone.idle_us_per_step|.0f> · <{f}:idle.compact, plain step.idle_us_per_step|.0f>"]],
+           [{"b": 128, "f": "a"}, {"b": 256, "f": "b"}]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
