@@ -235,8 +235,8 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
                                 for r in ledger.rows[n_rows:])
             b = clock()
             calls.append((a, b))
-            # the quiet decode rows stay arrays (StepOutputs.rows): building a RequestOutput per
-            # row and step, as iterating `outs` does, was the client's largest cost at 256
+            # the quiet decode rows stay arrays (StepOutputs.rows): iterating `outs` would build a
+            # RequestOutput per row and step, milliseconds of client time per step at 256
             for reqs, _, counts, _, _ in (outs.rows() if hasattr(outs, "rows") else ()):
                 for req, n in zip(reqs.tolist(), counts.tolist()):
                     rec = live.get(req.request_id)
