@@ -470,6 +470,8 @@ class EngineConfig:
                                         "padding or chunking", "execution")
     cuda_graphs: bool = knob(True, "replay decode steps from CUDA graphs (cuda and the triton backend only)",
                              "execution")
+    cuda_graph_prefill: bool = knob(True, "replay prefill forwards from CUDA graphs too, one per (chunks, tokens) "
+                                          "tier, captured on its first run (runner.py)", "execution")
     graph_batch_sizes: tuple[int, ...] = knob((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
                                               "request slots of the captured tiers (those above max_num_seqs "
                                               "are dropped)", "execution")

@@ -56,17 +56,18 @@ from .worker import Worker
 
 
 def auto_token_budget(device: torch.device) -> int:
-    """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk runs eagerly and its
-    host launches cost the same at 2k or 8k tokens (chapter 09), so a prompt wave in fewer chunks is
-    cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
+    """`max_num_batched_tokens` when left at 0. On a GPU a prefill chunk's launches (eager, or one
+    graph replay per tier) cost the same at 2k or 8k tokens (chapter 09), so a prompt wave in fewer
+    chunks is cheaper; on a CPU a chunk costs its FLOPs, and a smaller one keeps running decodes moving."""
     return 8192 if device.type == "cuda" else 2048
 
 
 def auto_waiting_steps(graphs: bool) -> int:
     """`max_waiting_steps` left at "auto". With CUDA graphs a decode step is one replay, but a
-    step with a prefill in it also runs that prefill eagerly, and on a small model its launches
-    cost several decode steps whatever its rows (chapter 01); an arrival waiting up to 8 steps lets
-    one prefill serve every arrival of those steps. Without graphs every step is eager: no wait."""
+    step with a prefill in it also runs that prefill, and on a small model it costs several decode
+    steps whatever its rows (eager: its launches; graphed: its padded tier's kernels; chapter 01);
+    an arrival waiting up to 8 steps lets one prefill serve every arrival of those steps. Without
+    graphs every step is eager: no wait."""
     return 8 if graphs else 0
 
 

@@ -27,9 +27,10 @@ nothing inside may read a device value on the host. So:
 * **One pool.** Tiers are captured largest first into one shared memory pool; they never run
   at the same time, so their activations can share memory.
 
-A step that is not a pure decode step (it has prefill chunks), or that is larger than the
-largest tier, runs eagerly; on a CPU the same padded buffers are run eagerly ("eager replay"),
-which is how the CPU tests hold the padding logic equal to the unpadded step.
+A decode batch larger than the largest tier runs eagerly (a step's prefill chunks run before
+its decode batch, graphed by tiers of their own: runner.py); on a CPU the same padded buffers
+are run eagerly ("eager replay"), which is how the CPU tests hold the padding logic equal to
+the unpadded step.
 
 Invariants: a replay's outputs equal an eager run of the same step on the same padded buffers
 bit for bit (same kernels, same shapes), and equal the unpadded eager step up to the summation

@@ -89,6 +89,8 @@ class Worker:
             from .verify import SyntheticAcceptance
             spec.synthetic = SyntheticAcceptance.parse(cfg.synthetic_acceptance)
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self.backend == "triton"
+        if use_graphs and cfg.cuda_graph_prefill and tp is None and self.eplb is None:
+            self.runner.set_tiers(cfg.max_num_batched_tokens, graphs=True)   # EPLB would count padding rows
         self.executor = Executor(self.runner, spec, cfg.max_num_seqs, self.state.scratch, self.device, use_graphs,
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions,
                                  cfg.verify_draft_fractions if cfg.verify_plain_steps else ())

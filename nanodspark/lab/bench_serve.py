@@ -181,6 +181,11 @@ def summarize(run: Run, percentiles=(50, 90, 99)) -> dict:
 
 
 # ----------------------------------------------------------------------------- front end 1: the engine
+def _prefill_graphs(engine) -> tuple[int, float]:
+    r = getattr(engine, "runner", None)
+    return (len(getattr(r, "graphs", ())), float(getattr(r, "capture_seconds", 0.0)))
+
+
 def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: float, duration_s: float,
                        num_requests: int = 0, temperature: float = 0.0, stream_text: bool = False,
                        clock=time.perf_counter, cost=None, traces: TraceRecorder | None = None) -> Run:
@@ -203,15 +208,18 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
     n_measured, i = 0, 0
     phases: dict[str, tuple] = {}
     cpu0 = cpu = 0.0
+    graphs0 = graphs1 = (0, 0.0)
     try:
         while True:
             now = clock()
             if "w" not in phases and now >= t0:
                 phases["w"], cpu0 = (dict(engine.clock.total), engine.clock.steps), time.process_time()
+                graphs0 = _prefill_graphs(engine)
             over = now >= t1 or (num_requests and n_measured >= num_requests)
             closing = over and not any(r.measured for r in live.values())
             if (now >= t1 or closing) and "e" not in phases:     # the window's end: t1, or the last measured
                 phases["e"], cpu = (dict(engine.clock.total), engine.clock.steps), time.process_time() - cpu0
+                graphs1 = _prefill_graphs(engine)
             if closing:
                 t1 = min(t1, now)
                 break
@@ -267,6 +275,10 @@ def engine_closed_loop(engine, work: ServeWorkload, concurrency: int, warmup_s: 
     (w, sw), (e, se) = phases["w"], phases["e"]      # the phase clock at the window's edges
     diff = {k: e.get(k, 0.0) - w.get(k, 0.0) for k in e}
     acc = account(ledger, t0, t1, calls, diff, cost)
+    # prefill tiers captured inside the window (each capture is host time the window paid for)
+    acc["prefill_graphs"] = graphs1[0]
+    acc["prefill_captures_in_window"], acc["prefill_capture_s_in_window"] = (
+        graphs1[0] - graphs0[0], round(graphs1[1] - graphs0[1], 4))
     extra = {"engine_steps": acc["steps"], "phase_ms": {k: round(1e3 * v / max(1, se - sw), 3) for k, v in diff.items()},
              "accounting": acc, "client_cpu_share": round(cpu / max(t1 - t0, 1e-9), 3) if cost is None else None}
     return Run(records, t0, t1, extra)
@@ -558,6 +570,8 @@ def serve_command(args, system: str, port: int) -> list[str]:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if getattr(args, "max_waiting_steps", "auto") != "auto":
         cmd += ["--max-waiting-steps", str(args.max_waiting_steps)]
+    if getattr(args, "eager_prefill", False):
+        cmd += ["--no-cuda-graph-prefill"]
     if getattr(args, "api_server_count", 1) > 1:
         cmd += ["--api-server-count", str(args.api_server_count)]
     return cmd
@@ -569,7 +583,8 @@ def engine_config(args, system: str) -> dict:
     kw = dict(fields, use_tqdm=False, max_num_seqs=args.max_num_seqs or max(args.concurrency),
               kv_cache_memory_gb=args.kv_gb, enable_prefix_cache=args.prefix_cache,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_waiting_steps=getattr(args, "max_waiting_steps", "auto"))
+              max_waiting_steps=getattr(args, "max_waiting_steps", "auto"),
+              cuda_graph_prefill=not getattr(args, "eager_prefill", False))
     if getattr(args, "shape", None):          # random weights; room for the longest request, no more
         # graph tiers at the measured concurrencies only, as `bench profile --shape` captures them:
         # at paper scale each capture costs seconds, and a closed loop's batch stays near C
@@ -866,6 +881,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
                    help="steps an arrival may wait for an admission wave (auto: the engine's; 0: admit at once)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="keep the prefix cache on (off by default: a closed loop repeats its prompts)")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="prefill forwards run eagerly, not from CUDA graphs (an A/B of cuda_graph_prefill)")
     p.add_argument("--stream-text", action="store_true",
                    help="engine front end: detokenize every step, as serving does")
     p.add_argument("--record-traces", default=None, metavar="DIR",

@@ -364,6 +364,40 @@ FIGURES = [
                f"<{_ACC.format(m='static')}.drafts_accepted / {_ACC.format(m='static')}.drafts_verified|.2f>"]],
            [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 128}, {"c": 256}]),
 
+    Figure("prefill-graphs", {"de": "benchmarks/prefill_graphs_ab_default_eager_h200.json",
+                              "dg": "benchmarks/prefill_graphs_ab_default_h200.json",
+                              "se": "benchmarks/prefill_graphs_ab_smollm2_shape_eager_h200.json",
+                              "sg": "benchmarks/prefill_graphs_ab_smollm2_shape_h200.json"},
+           H200 + "; in-process, closed loop, mix workload, greedy, prefix cache off, admission in waves, one 5 s "
+           "window per engine after 2 s; each pair's two runs (`--eager-prefill`, then prefill graphs, the "
+           "default) in one call; the SmolLM2 pair's shapes with RANDOM WEIGHTS and a synthetic law (0.3–0.6)",
+           ["pair", "system", "concurrency", "eager prefill: tok/s", "prefill graphs: tok/s", "graphs / eager",
+            "prefill tiers captured"],
+           [["{name}", "{m}", "{c}", "<{p}e:" + _SS + "|,.0f>", "<{p}g:" + _SS + "|,.0f>",
+             "<{p}g:" + _SS + " / {p}e:" + _SS + "|.2f>", "<{p}g:" + _ACC.replace("{{c}}", "{c}") + ".prefill_graphs|.0f>"]],
+           [{"p": p, "name": name, "m": m, "c": c} for p, name in (("d", "default"), ("s", "SmolLM2 shapes"))
+            for m in ("no-spec", "static") for c in (64, 256)]),
+
+    Figure("thesis-smollm2-shape-256", {"s": "benchmarks/steady_state_smollm2_shape_256_repeats_h200.json"},
+           H200 + "; as the table above at concurrency 256 only, two rounds in rotating order, paired medians "
+           "(min–max), another call",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static")]],
+           [{"c": 256}]),
+
+    Figure("steady-default-prefill-graphs", {"s": "benchmarks/steady_state_default_prefill_graphs_h200.json"},
+           H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission "
+           "in waves, prefill graphs, compact on the overlapped-loop profile, one 5 s window per engine after "
+           "2 s, one round",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / static",
+            "A/A: static-b / static", "drafts verified per request-step, compact"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static", "static-b/static")]
+            + [f"<{_ACC.format(m='compact')}.drafts_verified / {_ACC.format(m='compact')}.decode_request_steps|.2f>"]],
+           [{"c": 64}, {"c": 256}]),
+
     Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
            H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
            "rows as arrays, one 5 s window per engine after 2 s, one round",
