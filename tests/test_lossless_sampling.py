@@ -213,8 +213,10 @@ def test_a_window_sized_from_old_drafts_keeps_the_law(pair, monkeypatch, mode, k
                             lambda seed, position, stream, attempt=None: keyed_by_position(seed, position, stream))
     root, target = pair
     laws = exact_laws(target, SamplingParams(**T1))
+    # synchronous steps: the policy peeks at the step just before (lag 1); in the overlapped loop
+    # (CUDA's default) it would see the step before that, whose drafts sit at other positions
     llm = LLM(str(root / "m"), use_tqdm=False, **EXACT, drafter_path=str(root / "d"), max_num_seqs=1024,
-              max_num_batched_tokens=8192, seed=7, verify_mode=mode)
+              max_num_batched_tokens=8192, seed=7, verify_mode=mode, overlap=False)
     llm.engine.windows = LaggedWindows(llm.engine.gamma)
     n = NARROW["n"]
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=8, ignore_eos=True, **T1) for _ in range(n)])
