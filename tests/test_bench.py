@@ -289,12 +289,34 @@ def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny
     monkeypatch.setattr("sys.argv", ["nanodspark.bench", "host", "--batches", "3"])
     out = tmp_path / "host.json"
     res = bh.host_bench(argparse.Namespace(model=str(model), drafter=None, batches=[3], steps=3, repeats=1,
-                                           prompt_len=16, stop=["zz"], stream_text=True, out=str(out)))
+                                           prompt_len=16, stop=["zz"], stream_text=True, out=str(out),
+                                           compact_plain=False))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3 and row == res["rows"][0]
     assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch
     assert row["total"] == pytest.approx(sum(row[k] for k in bh.PHASES), abs=2e-3)
-    assert res["argv"][-2:] == ["--batches", "3"] and "torch" in json.dumps(res["environment"])
+    assert res["argv"][-3:] == ["host", "--batches", "3"] and "torch" in json.dumps(res["environment"])
+
+
+def test_compact_plain_makes_the_real_cost_scheduler_choose_plain_steps(tiny_dir, tmp_path):
+    """`bench host --compact-plain` times the cost scheduler's plain steps: every decode step of an
+    engine with its tables runs without the drafter's pass, chosen by `draft_choice` itself."""
+    from nanodspark import LLM, SamplingParams
+    from nanodspark.lab.bench_host import force_plain_steps
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    llm = LLM(str(model), use_tqdm=False, verify_mode="compact", max_num_seqs=4)
+    force_plain_steps(llm.engine)
+    drafted, choices = [], []
+    sched = llm.engine.windows.scheduler
+    real = sched.draft_choice
+    sched.draft_choice = lambda *a: (choices.append(real(*a)), choices[-1])[1]
+    llm.engine.extra_observers.append(type("Spy", (), {"observe": lambda self, r: r.decode is not None and
+                                                       drafted.append(int(r.decode.out.drafted.sum()))})())
+    llm.generate([[5, 6, 7, 8]] * 3, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert drafted and not any(drafted)
+    assert choices and all(c is not None and c.fraction == 0 for c in choices)
 
 
 def test_engine_speed_times_engines_without_the_prefix_cache(tiny_dir, tmp_path, monkeypatch):

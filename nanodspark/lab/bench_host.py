@@ -9,7 +9,9 @@ to steady decoding and times, per step, `schedule`, `launch` less the forward it
 the device and building the `StepResult`) and `commit`, with the synchronous loop so that each
 phase is its own. Medians over steps and repeats; the JSON has the machine and the command.
 The host's work does not depend on the device, so the CPU's figures compare two versions of the
-engine honestly, though not the CPU with the H200's host.
+engine honestly, though not the CPU with the H200's host. `--compact-plain`: the cost scheduler
+(verify_mode compact) on step-cost tables by which drafting never pays, so every step is a
+plain step chosen by the real scheduler: its host price beside plain decoding's (`--drafter none`).
 """
 from __future__ import annotations
 
@@ -54,12 +56,31 @@ def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = F
     return {k: statistics.median(r[k] for r in rows) for k in PHASES}
 
 
+def force_plain_steps(engine) -> None:
+    """Give `engine` (verify_mode compact) a cost scheduler whose tables say drafting never pays:
+    a step that drafts costs 10 ms with no drafts verified and 20 ms with full blocks (a table that
+    rises, or the scheduler would take it for flat and verify full blocks), one that does not
+    draft 1 ms, at every batch (synthetic; the scheduler's own work per step is what is timed)."""
+    from ..cost_scheduler import CostScheduler
+    from ..cost_table import CostTable
+    from ..windows import CostWindows
+    R, g = engine.config.max_num_seqs, engine.gamma
+    full = CostTable({(b, k): 0.010 * (1 + k / (g * b)) for b in (1, R) for k in (0, b, g * b)})
+    plain = CostTable({(b, 0): 0.001 for b in (1, R)})
+    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain))
+
+
 def host_bench(args) -> dict:
     from .. import LLM
     rows = []
+    if args.compact_plain and args.drafter == "none":
+        raise SystemExit("--compact-plain needs a drafter (not --drafter none)")
     for batch in args.batches:
+        kw = dict(verify_mode="compact") if args.compact_plain else {}
         llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
-                  max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch)
+                  max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch, **kw)
+        if args.compact_plain:
+            force_plain_steps(llm.engine)
         prompts = _prompts(batch, args.prompt_len, llm.engine.model_config.vocab_size)
         reps = [time_phases(llm, prompts, args.steps, args.stop, args.stream_text) for _ in range(args.repeats)]
         row = {k: round(statistics.median(r[k] for r in reps), 3) for k in PHASES}
@@ -70,10 +91,11 @@ def host_bench(args) -> dict:
               + f" ms  commit/request {row['commit_us_per_request']} us", flush=True)
         del llm
     result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
-                  model=str(args.model or "default"), drafter=args.drafter, stop=args.stop, stream_text=args.stream_text,
+                  model=str(args.model or "default"), drafter=args.drafter, compact_plain=args.compact_plain,
+                  stop=args.stop, stream_text=args.stream_text,
                   steps=args.steps,
                   repeats=args.repeats, prompt_len=args.prompt_len, environment=environment(),
-                  argv=["python", "-m", "nanodspark.bench", *sys.argv[2:]])
+                  argv=["python", "-m", "nanodspark.bench", *sys.argv[1:]])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
@@ -90,4 +112,6 @@ def add_host_args(p) -> None:
     p.add_argument("--stream-text", action="store_true",
                    help="requests as LLM.stream adds them: text decoded every step in the engine (default: as "
                         "serve.py's engine core and LLM.generate add them, no text in the step)")
+    p.add_argument("--compact-plain", action="store_true",
+                   help="the cost scheduler choosing plain steps at every step (tables where drafting never pays)")
     p.add_argument("--out", default=None, help="JSON path")

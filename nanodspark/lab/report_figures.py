@@ -398,6 +398,19 @@ FIGURES = [
             + [f"<{_ACC.format(m='compact')}.drafts_verified / {_ACC.format(m='compact')}.decode_request_steps|.2f>"]],
            [{"c": 64}, {"c": 256}]),
 
+    Figure("host-plain-steps", {"n": "benchmarks/host_plain_nospec_cpu.json",
+                                "c": "benchmarks/host_plain_compact_cpu.json"},
+           "The 2-core CPU of the development machine, torch 2.13.0+cpu; the default pair, synchronous step, "
+           "medians of 12 steps × 3 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
+           "step at every step (`--compact-plain`), one after the other",
+           ["batch", "plain decoding: schedule / launch less the forward / result / commit", "total",
+            "compact, plain steps: schedule / launch less the forward / result / commit", "total"],
+           [["{b}"] + [cell for a in ("n", "c") for cell in (
+               " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward", "result",
+                                                                       "commit")),
+               f"<{a}:rows[batch={{b}}].total|.2f>")]],
+           [{"b": 64}, {"b": 256}]),
+
     Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
            H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
            "rows as arrays, one 5 s window per engine after 2 s, one round",
