@@ -164,7 +164,7 @@ def choose_windows(conf: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
 class DraftChoice:
     """A step in which only some requests draft (`CostScheduler.draft_choice`)."""
     fraction: float          # the share of the batch that drafts (0: a plain step)
-    order: np.ndarray        # the plan's rows, the ceil(fraction * R) drafting ones first
+    order: np.ndarray | None  # the plan's rows, the ceil(fraction * R) drafting ones first (None: none draft)
     budget: int              # draft tokens to verify (over the drafting rows)
     predicted: float         # T(R, budget, drafting rows), seconds
 
@@ -201,18 +201,20 @@ class ConfidenceRelay:
         row = step % (self.lag + 1)
         slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
         own = np.broadcast_to(np.asarray(drafted, dtype=bool), slots.shape)
-        c = np.empty((len(slots), self.gamma), dtype=np.float32)
-        if own.any():
+        if not own.any():                     # a plain step: every row carries its last ones forward
+            c = np.where((self.last_generation[slots] == gens)[:, None], self.last[slots], self.mean)
+        else:
+            c = np.empty((len(slots), self.gamma), dtype=np.float32)
             fresh = _host_floats(conf)[own]
             self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
             c[own] = fresh
-        if not own.all():
-            s, g = slots[~own], gens[~own]
-            c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
+            if not own.all():
+                s, g = slots[~own], gens[~own]
+                c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
         if len(c):
             # the mean over every row of the batch, not over those that drafted: when only the
             # confident ones draft, their mean would make every newcomer look confident too
-            self.mean = 0.9 * self.mean + 0.1 * c.mean(0)
+            self.mean = 0.9 * self.mean + (0.1 / len(c)) * c.sum(0)
         self.conf[row, slots] = c
         self.stamp[row, slots] = step
         self.generation[row, slots] = gens
@@ -319,20 +321,25 @@ class CostScheduler:
         # certain: a wave of admissions must not buy a drafter's pass on hope
         lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step, prior=True)
         s = np.where(lagged >= self.survival_eps, lagged, 0.0)
-        order = np.argsort(-s.sum(1), kind="stable")
-        best, choice = -1.0, None
-        for f in sorted({0.0, *self.share_tables, 1.0}):
-            D = math.ceil(f * R)
-            table = self.cost_table if D == R else self.share_tables.get(f, self.plain_table)
-            times = table.curve(R, D * g)
-            cells = np.sort(s[order[:D]].reshape(-1))[::-1]
-            theta = (R + np.concatenate([[0.0], np.cumsum(cells)])) / times
+
+        def best_of(cells, times):      # the best budget over cells (any order) and its tokens/s
+            theta = (R + np.concatenate(([0.0], np.cumsum(np.sort(cells)[::-1])))) / times
             k = int(np.argmax(theta))
-            if D == R:
-                everyone = float(theta[k])
-            elif theta[k] > best:
-                best, choice = float(theta[k]), DraftChoice(f, order, k, float(times[k]))
-        return choice if choice is not None and best > (1.0 + self.min_gain) * everyone else None
+            return k, float(theta[k])
+        everyone = best_of(s.reshape(-1), self.cost_table.curve(R, R * g))[1]
+        plain_t = float(self.plain_table.curve(R, 0)[0])
+        best, choice = R / plain_t, DraftChoice(0.0, None, 0, plain_t)     # a plain step: no cells
+        if self.share_tables:           # the requests of largest lagged survival draft first
+            order = np.argsort(-s.sum(1), kind="stable")
+            for f in sorted(self.share_tables):
+                D = math.ceil(f * R)
+                if D in (0, R):
+                    continue
+                times = self.share_tables[f].curve(R, D * g)
+                k, theta = best_of(s[order[:D]].reshape(-1), times)
+                if theta > best:
+                    best, choice = theta, DraftChoice(f, order, k, float(times[k]))
+        return choice if best > (1.0 + self.min_gain) * everyone else None
 
     def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
         """Does any request run the drafter's pass this step (`draft_choice`)?"""
