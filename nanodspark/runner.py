@@ -145,10 +145,10 @@ class ModelRunner:
             # Writing past the reservation would land in a block another request may own.
             assert c.reserved is None or c.start + len(c.token_ids) <= c.reserved, (
                 f"positions up to {c.start + len(c.token_ids) - 1} on a table reserved for {c.reserved}")
-        tokens = sum(len(c.token_ids) for c in chunks)
-        C, T, Q = len(chunks), tokens, max(len(c.token_ids) for c in chunks)
-        if self.pad and PrefillLayout(*prefill_tier(C, T, Q)[:2]).size <= self.buf.numel():
-            C, T, Q = prefill_tier(C, T, Q)
+        C, T, Q = len(chunks), sum(len(c.token_ids) for c in chunks), max(len(c.token_ids) for c in chunks)
+        tier = prefill_tier(C, T, Q) if self.pad else None
+        if tier is not None and PrefillLayout(*tier[:2]).size <= self.buf.numel():
+            C, T, Q = tier
             self.turn ^= 1
             h, buf = self.hosts[self.turn], self.buf
         else:                                     # unpadded (or past the tiers): a buffer of its own
@@ -202,11 +202,12 @@ class ModelRunner:
         kv_lens, slots, rows, sslots = (buf[o + C + 1 + i * C:o + C + 1 + (i + 1) * C] for i in range(4))
         n = buf[o + 5 * C + 1]
         keep, keep_full = store.bool(), (store & full).bool()
+        kv_lens = kv_lens.to(torch.int32)
         groups = {}
         for name in self.kv_cache.groups:
             bt = st.tables[name][slots]
             idx = torch.where(keep_full if name == "full" else keep, row_cache_index(bt, req, pos, bs), -1)
-            groups[name] = GroupMeta(bt, idx, kv_lens.to(torch.int32), st.kv_start[slots] if name == "sliding" else None)
+            groups[name] = GroupMeta(bt, idx, kv_lens, st.kv_start[slots] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, cu, Q, groups, self.ops, tp=self.tp)
         out = self.model(ids, pos, ctx, self.capture)
         if self.drafter is not None:
