@@ -453,6 +453,8 @@ class EngineConfig:
     verify_lag: int = knob(2, "steps between the confidences that size the budget and now (>= 1)", "speculation")
     verify_plain_steps: bool = knob(True, "compact: a plain step (no drafter pass) where the target's own profile, "
                                           "in the cost table's file, says drafting does not pay", "speculation")
+    verify_plain_hold: int = knob(8, "compact: steps a plain-step choice holds while the batch does not grow and "
+                                     "no drafted confidences arrive (1 = choose at every step)", "speculation")
     verify_draft_fractions: tuple[float, ...] = knob(
         (0.25, 0.5, 0.75), "compact: shares of a batch whose most confident requests may draft alone, each "
                            "once the cost file holds its profile (bench profile --draft-fraction F)", "speculation")
@@ -529,8 +531,8 @@ class EngineConfig:
             raise ValueError("graph_token_fractions must lie in [0, 1]")
         if not all(0 < f < 1 for f in self.verify_draft_fractions):
             raise ValueError("verify_draft_fractions must lie strictly between 0 and 1")
-        if self.verify_min_gain < 0 or self.verify_lag < 1:
-            raise ValueError("verify_min_gain must be >= 0 and verify_lag >= 1")
+        if self.verify_min_gain < 0 or self.verify_lag < 1 or self.verify_plain_hold < 1:
+            raise ValueError("verify_min_gain must be >= 0, verify_lag >= 1 and verify_plain_hold >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
             raise ValueError("max_num_seqs must be positive and max_num_batched_tokens positive or 0 (auto)")
         if min(self.num_kv_blocks, self.kv_cache_memory_gb, self.max_model_len, self.max_waiting, self.gamma) < 0:

@@ -37,6 +37,10 @@ Defaults (every function takes them as parameters)
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 %
                                  (TensorRT-LLM's `confidence_min_predicted_gain`)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
+    DEFAULT_PLAIN_HOLD = 8       steps a plain-step choice holds while nothing can change it: a
+                                 plain step brings no confidences, so until drafted ones arrive or
+                                 the batch grows, choosing again reads what was read (and a choice
+                                 costs the host 0.1-0.3 ms at batch 256)
 The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py."""
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from .cost_table import CostTable
 DEFAULT_LAG = 2
 DEFAULT_MIN_GAIN = 0.04
 DEFAULT_SURVIVAL_EPS = 1e-6
+DEFAULT_PLAIN_HOLD = 8
 MODES = ("static", "compact", "cap-accept")
 
 
@@ -191,33 +196,49 @@ class ConfidenceRelay:
         self.last = np.ones((max_slots, gamma), dtype=np.float32)
         self.last_generation = np.full(max_slots, -1, dtype=np.int64)
         self.mean = np.ones(gamma, dtype=np.float32)
+        # a plain step's row is written lazily: what its slots carry (`last`, or the mean then) is
+        # read from `last` until a fresh push is about to change it (`_settle_plain`)
+        self.plain = np.zeros(depth, dtype=bool)
+        self.plain_mean = np.ones((depth, gamma), dtype=np.float32)
 
     def push(self, step: int, slot_ids, generation_ids, conf, drafted=True) -> None:
         """Record conf [R, gamma] (copied to the host) for slots at `step`. A row that did not
         draft (`drafted`: a bool for every row, or one per row; False on a plain step) has no
         confidences of its own: its slot carries its last ones forward (a request that never
         drafted: the running mean over the batches' rows), so its budget `lag` steps later still
-        reads what the drafter last said, never a survival of 1.0."""
+        reads what the drafter last said, never a survival of 1.0. A plain step brings no news:
+        the mean holds, and its row is only stamped (its values are `last`'s, read lazily)."""
         row = step % (self.lag + 1)
         slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
-        own = np.broadcast_to(np.asarray(drafted, dtype=bool), slots.shape)
-        if not own.any():                     # a plain step: every row carries its last ones forward
-            c = np.where((self.last_generation[slots] == gens)[:, None], self.last[slots], self.mean)
-        else:
-            c = np.empty((len(slots), self.gamma), dtype=np.float32)
-            fresh = _host_floats(conf)[own]
-            self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
-            c[own] = fresh
-            if not own.all():
-                s, g = slots[~own], gens[~own]
-                c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
-        if len(c):
-            # the mean over every row of the batch, not over those that drafted: when only the
-            # confident ones draft, their mean would make every newcomer look confident too
-            self.mean = 0.9 * self.mean + (0.1 / len(c)) * c.sum(0)
-        self.conf[row, slots] = c
         self.stamp[row, slots] = step
         self.generation[row, slots] = gens
+        own = np.asarray(drafted, dtype=bool)
+        if not own.any():                     # a plain step: every row carries its last ones forward
+            self.plain[row] = True
+            self.plain_mean[row] = self.mean
+            return
+        if own.ndim == 0:                     # one flag for every row
+            own = np.full(slots.shape, True)
+        self._settle_plain()                  # `last` changes below: write what plain rows carry now
+        c = np.empty((len(slots), self.gamma), dtype=np.float32)
+        fresh = _host_floats(conf)[own]
+        self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
+        c[own] = fresh
+        if not own.all():
+            s, g = slots[~own], gens[~own]
+            c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
+        # the mean over every row of the batch, not over those that drafted: when only the
+        # confident ones draft, their mean would make every newcomer look confident too
+        self.mean = 0.9 * self.mean + (0.1 / len(c)) * c.sum(0)
+        self.conf[row, slots] = c
+
+    def _settle_plain(self) -> None:
+        """Write the values every lazily kept plain row carries (all slots: a few array operations,
+        paid when a plain streak ends, not on each of its steps)."""
+        for row in np.flatnonzero(self.plain).tolist():
+            same = (self.last_generation == self.generation[row])[:, None]
+            self.conf[row] = np.where(same, self.last, self.plain_mean[row])
+            self.plain[row] = False
 
     def lagged(self, slot_ids, generation_ids, step: int) -> torch.Tensor:
         """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
@@ -231,10 +252,13 @@ class ConfidenceRelay:
         unknown = self.mean if prior else np.float32(1.0)
         if src < 0:
             return np.cumprod(np.broadcast_to(unknown, (len(slots), self.gamma)), axis=1).astype(np.float32)
-        row = src % (self.lag + 1)
-        ok = (self.stamp[row, slots] == src) & (self.generation[row, slots] == _host_ints(generation_ids))
-        conf = np.where(ok[:, None], self.conf[row, slots], unknown)
-        return np.cumprod(conf, axis=1)
+        row, gens = src % (self.lag + 1), _host_ints(generation_ids)
+        ok = (self.stamp[row, slots] == src) & (self.generation[row, slots] == gens)
+        if self.plain[row]:                   # carried: the slot's last confidences, or the mean then
+            kept = np.where((self.last_generation[slots] == gens)[:, None], self.last[slots], self.plain_mean[row])
+        else:
+            kept = self.conf[row, slots]
+        return np.cumprod(np.where(ok[:, None], kept, unknown), axis=1)
 
 
 def _host_ints(x) -> np.ndarray:
@@ -257,7 +281,8 @@ class CostScheduler:
     def __init__(self, gamma: int, max_slots: int, mode: str = "static",
                  cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
                  min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS,
-                 plain_table: CostTable | None = None, share_tables: dict | None = None):
+                 plain_table: CostTable | None = None, share_tables: dict | None = None,
+                 plain_hold: int = DEFAULT_PLAIN_HOLD):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
@@ -268,6 +293,10 @@ class CostScheduler:
         if not all(0.0 < f < 1.0 for f in self.share_tables):
             raise ValueError(f"draft shares must lie strictly between 0 and 1, not {sorted(self.share_tables)}")
         self.relay = ConfidenceRelay(max_slots, gamma, lag)
+        if plain_hold < 1:
+            raise ValueError("plain_hold must be >= 1 (1: choose at every step)")
+        self.plain_hold = plain_hold
+        self._held: tuple[int, int] | None = None     # a plain streak's (step it ends, most rows)
         self._can_trim = (cost_table is not None and bool(cost_table.measurements)
                           and not cost_table.is_flat())
         self._warned = False
@@ -313,10 +342,15 @@ class CostScheduler:
         drafts they would add); for each profiled share f (`share_tables`) and for f = 0 (a plain
         step), the best budget over the top ceil(f * R) rows is priced by that share's profile.
         Returns the best such step if its expected tokens per second (`budget_from_lagged`'s
-        objective) beat every step where all rows draft by more than min_gain; else None."""
+        objective) beat every step where all rows draft by more than min_gain; else None. A
+        plain step, once chosen, holds for `plain_hold` steps unless the batch grows or drafted
+        confidences arrive (`record`): the lag makes any choice lossless, and this one saves the
+        host a choice per step that would read the same relay."""
         if self.plain_table is None or self.effective_mode() != "compact":
             return None
         R, g = len(slot_ids), self.gamma
+        if self._held is not None and step < self._held[0] and R <= self._held[1]:
+            return DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0]))   # still plain
         # a request without lagged confidences (just admitted) counts as the running mean, not as
         # certain: a wave of admissions must not buy a drafter's pass on hope
         lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step, prior=True)
@@ -339,7 +373,10 @@ class CostScheduler:
                 k, theta = best_of(s[order[:D]].reshape(-1), times)
                 if theta > best:
                     best, choice = theta, DraftChoice(f, order, k, float(times[k]))
-        return choice if best > (1.0 + self.min_gain) * everyone else None
+        choice = choice if best > (1.0 + self.min_gain) * everyone else None
+        plain = choice is not None and choice.fraction == 0.0
+        self._held = (step + self.plain_hold, R) if plain else None
+        return choice
 
     def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
         """Does any request run the drafter's pass this step (`draft_choice`)?"""
@@ -348,5 +385,8 @@ class CostScheduler:
 
     def record(self, step: int, slot_ids, generation_ids, conf, drafted=True) -> None:
         """Push a step's confidences [R, gamma] into the relay (CostWindows.observe does, once
-        the step's result is on the host); a row that did not draft carries its last ones forward."""
+        the step's result is on the host); a row that did not draft carries its last ones forward.
+        Fresh confidences end a plain streak's hold: the next choice reads them."""
+        if np.any(drafted):
+            self._held = None
         self.relay.push(step, slot_ids, generation_ids, conf, drafted)

@@ -198,7 +198,7 @@ class LLMEngine:
                                     self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain,
-                                         share_tables=shares))
+                                         share_tables=shares, plain_hold=cfg.verify_plain_hold))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -466,13 +466,18 @@ class LLMEngine:
         """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
-        mode, count = self.verify_mode, o.count
+        mode, count, spec = self.verify_mode, o.count, self.batch.spec
+        if not mode.reports_ceiling and not o.drafted.any():   # a plain step: one step, its tokens
+            spec[slots, 0] += 1
+            spec[slots, 3] += count - 1
+            spec[slots, 4] += count
+            return
         add = np.empty((len(slots), self.batch.spec.shape[1]), dtype=np.int64)
         add[:, 0], add[:, 1] = 1, self.gamma * o.drafted                      # steps, drafted
         add[:, 2] = np.minimum(o.windows, o.verified) if mode.trims else o.verified
         add[:, 3], add[:, 4] = count - 1, count                               # accepted, committed
         add[:, 5] = o.ceiling + 1 if mode.reports_ceiling else 0
-        self.batch.spec[slots] += add
+        spec[slots] += add
 
     def _apply(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Commit one request's new tokens (a prefill sample): stops, text, blocks."""

@@ -136,7 +136,9 @@ class SpecStep:
         # the rows that drafted: ceil(draft * requests), as the host counted them (float64 on both
         # sides); a padded tier's drafter pass may have run for a few more, whose drafts are dropped
         drafted = b.valid != 0
-        if D < R:                        # a row that did not draft: no draft, confidence 0
+        if self.drafter is not None and not D:     # a plain step: nobody drafted (conf is all 0)
+            drafted = torch.zeros_like(drafted)
+        elif D < R:                      # a row that did not draft: no draft, confidence 0
             drafted = drafted & (torch.arange(R, device=dev) < torch.ceil(draft * drafted.sum().double()))
             conf = torch.where(drafted[:, None], conf, 0.0)
             conf_logits = torch.where(drafted[:, None], conf_logits, 0.0)
@@ -146,15 +148,15 @@ class SpecStep:
             verified = torch.minimum(self.mode.verified(windows, torch.full_like(windows, g)), room.clamp(min=0))
             if D < R:                    # ... and no window, trimmed or not
                 windows, verified = torch.where(drafted, windows, 0), torch.where(drafted, verified, 0)
-        else:
-            windows = verified = torch.zeros(R, dtype=torch.long, device=dev)
-        cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
+            cap = torch.minimum(self.mode.cap(windows, torch.full_like(windows, g)), verified)
+        else:                            # the anchor row alone: nothing to choose, verify or cap
+            windows = verified = cap = torch.zeros(R, dtype=torch.long, device=dev)
         rows = torch.where(active, 1 + verified, 0)
         # verify: one ragged forward of [anchor, d_1 .. d_verified] per request
         lay = pack_rows(rows, tokens_tier)
-        off = lay.row_off.clamp(max=max(g, 1)) - 1
         ids = anchors[lay.row_req]
-        if g:
+        if D:                            # rows past the anchor read their drafts (none without a draft)
+            off = lay.row_off.clamp(max=g) - 1
             ids = torch.where(lay.row_off == 0, ids, drafts[lay.row_req, off.clamp(min=0)])
         pos = anchor_pos[lay.row_req] + lay.row_off
         kv_lens = (anchor_pos + rows).to(torch.int32)

@@ -494,6 +494,22 @@ def test_a_plain_step_carries_each_requests_last_confidences_forward():
     assert np.allclose(got[1], np.cumprod(mean)) and np.allclose(got[2], np.cumprod(mean))
 
 
+def test_a_plain_steps_row_reads_what_it_carried_then_after_fresh_confidences_arrive():
+    """A plain step's row is kept lazily (it holds no values of its own, only stamps): a fresh
+    push after it must not leak into it, or the budget would read confidences one step old
+    instead of `lag` steps old. A plain step also leaves the running mean as it was (no news)."""
+    relay = ConfidenceRelay(max_slots=3, gamma=2, lag=2)
+    relay.push(0, [0, 1], [5, 6], np.array([[0.5, 0.5], [0.9, 0.8]], dtype=np.float32))
+    mean = relay.mean.copy()
+    relay.push(1, [0, 1, 2], [5, 6, 9], np.zeros((3, 2), np.float32), drafted=False)
+    assert np.array_equal(relay.mean, mean)                        # a plain step brings no news
+    relay.push(2, [0, 1, 2], [5, 6, 9], np.array([[0.1, 0.1], [0.2, 0.2], [0.3, 0.3]], np.float32))
+    got = relay.lagged_np([0, 1, 2], [5, 6, 9], step=3)            # the row of step 1
+    assert np.allclose(got, [[0.5, 0.25], [0.9, 0.72], np.cumprod(mean)])
+    assert np.allclose(relay.lagged_np([0], [5], step=4), [[0.1, 0.01]])   # step 2's own row
+    assert np.allclose(relay.lagged_np([2], [9], step=3, prior=False), [np.cumprod(mean)])
+
+
 def test_drafting_pays_only_where_the_plain_step_does_not_win():
     """Compact with a plain profile: a plain step when R / T_plain beats the best speculative
     step (drafter included) by more than min_gain; otherwise draft. Without a plain table, always draft."""
@@ -507,6 +523,43 @@ def test_drafting_pays_only_where_the_plain_step_does_not_win():
         assert s.drafting_pays(range(8), range(8), step=2) is pays, (plain is cheap, survival)
     static = CostScheduler(4, 8, mode="static", cost_table=spec, plain_table=cheap)
     assert static.drafting_pays(range(8), range(8), step=2)
+
+
+def test_a_plain_choice_holds_until_the_batch_grows_or_drafted_confidences_arrive(monkeypatch):
+    """A plain step brings no confidences, so its choice holds `plain_hold` steps without reading
+    the relay; a bigger batch, drafted confidences or the hold's end make a fresh choice, and a
+    fresh choice that says draft ends the streak. plain_hold=1 chooses at every step."""
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    cheap = CostTable({(b, 0): 1e-3 for b in (1, 8)})
+    s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=3)
+    s.record(0, range(8), range(8), np.full((8, 4), 0.5, np.float32))
+    assert s.draft_choice(range(8), range(8), step=2).fraction == 0.0        # chosen: plain
+    reads = []
+    real = s.relay.lagged_np
+    monkeypatch.setattr(s.relay, "lagged_np", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
+    s.record(2, range(8), range(8), np.zeros((8, 4), np.float32), drafted=False)
+    assert s.draft_choice(range(6), range(6), step=3).fraction == 0.0 and reads == []   # held (two left)
+    assert s.draft_choice(range(7), range(7), step=4).fraction == 0.0 and reads == []
+    assert s.draft_choice(range(8), range(8), step=5).fraction == 0.0 and reads == [5]  # the hold's end
+    s.draft_choice(range(8), range(20, 28), step=6)
+    assert reads == [5]                                                       # held again, from step 5
+    s.draft_choice(range(8), range(8), step=8)
+    assert reads == [5, 8]                                                    # held again, from step 8
+    s.record(8, range(8), range(8), np.full((8, 4), 0.99, np.float32))        # drafted: the hold ends
+    # plain still wins here (see test_drafting_pays_only_where_the_plain_step_does_not_win), but it is chosen afresh
+    assert s.draft_choice(range(8), range(8), step=9).fraction == 0.0 and reads == [5, 8, 9]
+    one = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=1)
+    one.record(0, range(8), range(8), np.full((8, 4), 0.5, np.float32))
+    monkeypatch.setattr(one.relay, "lagged_np", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
+    one.draft_choice(range(8), range(8), step=2)
+    one.draft_choice(range(8), range(8), step=3)
+    assert reads[-2:] == [2, 3]
+    dear = CostScheduler(4, 8, mode="compact", cost_table=spec,
+                         plain_table=CostTable({(b, 0): 2.5e-3 for b in (1, 8)}), plain_hold=3)
+    dear.record(0, range(8), range(8), np.full((8, 4), 0.9, np.float32))
+    assert dear.draft_choice(range(8), range(8), step=2) is None and dear._held is None   # drafting: no hold
+    with pytest.raises(ValueError, match="plain_hold"):
+        CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=0)
 
 
 def test_draft_choice_lets_the_confident_half_draft_computed_by_hand():

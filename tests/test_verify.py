@@ -420,6 +420,8 @@ def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp
     drafted = sum(o.spec["drafted"] for o in outs)
     steps = sum(o.spec["steps"] for o in outs)
     g = llm.engine.gamma
+    # every decode step counted, plain or not: the tokens after the prefill's one, and one step each at least
+    assert all(o.spec["committed"] == len(o.token_ids) - 1 == o.spec["accepted"] + o.spec["steps"] for o in outs)
     if plain_steps:
         assert drafted < steps * g and all(o.spec["verified"] <= o.spec["drafted"] for o in outs)
     else:

@@ -67,7 +67,8 @@ def force_plain_steps(engine) -> None:
     R, g = engine.config.max_num_seqs, engine.gamma
     full = CostTable({(b, k): 0.010 * (1 + k / (g * b)) for b in (1, R) for k in (0, b, g * b)})
     plain = CostTable({(b, 0): 0.001 for b in (1, R)})
-    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain))
+    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain,
+                                               plain_hold=engine.config.verify_plain_hold))
 
 
 def host_bench(args) -> dict:
