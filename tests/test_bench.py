@@ -290,7 +290,7 @@ def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny
     out = tmp_path / "host.json"
     res = bh.host_bench(argparse.Namespace(model=str(model), drafter=None, batches=[3], steps=3, repeats=1,
                                            prompt_len=16, stop=["zz"], stream_text=True, out=str(out),
-                                           compact_plain=False))
+                                           compact_plain=False, plain_hold=None))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3 and row == res["rows"][0]
     assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch
@@ -306,8 +306,9 @@ def test_compact_plain_makes_the_real_cost_scheduler_choose_plain_steps(tiny_dir
     model = tmp_path / "pair"
     shutil.copytree(tiny_dir, model)
     make_drafter(model, model / "drafter")
-    llm = LLM(str(model), use_tqdm=False, verify_mode="compact", max_num_seqs=4)
+    llm = LLM(str(model), use_tqdm=False, verify_mode="compact", max_num_seqs=4, verify_plain_hold=1)
     force_plain_steps(llm.engine)
+    assert llm.engine.windows.scheduler.plain_hold == 1      # `--plain-hold` reaches the scheduler
     drafted, choices = [], []
     sched = llm.engine.windows.scheduler
     real = sched.draft_choice

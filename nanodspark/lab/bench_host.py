@@ -69,6 +69,10 @@ def force_plain_steps(engine) -> None:
     plain = CostTable({(b, 0): 0.001 for b in (1, R)})
     engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain,
                                                plain_hold=engine.config.verify_plain_hold))
+    graphs = engine.executor.graphs       # the engine captured no plain step (its tables had none): as it would
+    if graphs.use_graphs and 0.0 in engine.executor.draft_tiers:
+        graphs.capture([(True, False, 0.0), (False, False, 0.0)], progress=False,
+                       tiers=engine.executor.draft_tiers[0.0])
 
 
 def host_bench(args) -> dict:
@@ -76,8 +80,12 @@ def host_bench(args) -> dict:
     rows = []
     if args.compact_plain and args.drafter == "none":
         raise SystemExit("--compact-plain needs a drafter (not --drafter none)")
+    if args.plain_hold is not None and not args.compact_plain:
+        raise SystemExit("--plain-hold applies to --compact-plain only")
     for batch in args.batches:
         kw = dict(verify_mode="compact") if args.compact_plain else {}
+        if args.plain_hold is not None:
+            kw["verify_plain_hold"] = args.plain_hold
         llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
                   max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch, **kw)
         if args.compact_plain:
@@ -93,6 +101,7 @@ def host_bench(args) -> dict:
         del llm
     result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
                   model=str(args.model or "default"), drafter=args.drafter, compact_plain=args.compact_plain,
+                  plain_hold=args.plain_hold,
                   stop=args.stop, stream_text=args.stream_text,
                   steps=args.steps,
                   repeats=args.repeats, prompt_len=args.prompt_len, environment=environment(),
@@ -115,4 +124,6 @@ def add_host_args(p) -> None:
                         "serve.py's engine core and LLM.generate add them, no text in the step)")
     p.add_argument("--compact-plain", action="store_true",
                    help="the cost scheduler choosing plain steps at every step (tables where drafting never pays)")
+    p.add_argument("--plain-hold", type=int, default=None,
+                   help="with --compact-plain: verify_plain_hold (steps a plain choice holds; 1 = choose every step)")
     p.add_argument("--out", default=None, help="JSON path")

@@ -378,14 +378,14 @@ FIGURES = [
            [{"p": p, "name": name, "m": m, "c": c} for p, name in (("d", "default"), ("s", "SmolLM2 shapes"))
             for m in ("no-spec", "static") for c in (64, 256)]),
 
-    Figure("thesis-smollm2-shape-256", {"s": "benchmarks/steady_state_smollm2_shape_256_repeats_h200.json"},
-           H200 + "; as the table above at concurrency 256 only, two rounds in rotating order, paired medians "
+    Figure("thesis-smollm2-shape-repeats", {"s": "benchmarks/steady_state_smollm2_shape_64_256_repeats_h200.json"},
+           H200 + "; as the table above at concurrency 64 and 256, two rounds in rotating order, paired medians "
            "(min–max), another call",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static"],
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"],
            [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
                        f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static")]],
-           [{"c": 256}]),
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]],
+           [{"c": 64}, {"c": 256}]),
 
     Figure("steady-default-prefill-graphs", {"s": "benchmarks/steady_state_default_prefill_graphs_h200.json"},
            H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission "
@@ -399,13 +399,16 @@ FIGURES = [
            [{"c": 64}, {"c": 256}]),
 
     Figure("host-plain-steps", {"n": "benchmarks/host_plain_nospec_cpu.json",
-                                "c": "benchmarks/host_plain_compact_cpu.json"},
+                                "c": "benchmarks/host_plain_compact_cpu.json",
+                                "h": "benchmarks/host_plain_compact_hold1_cpu.json"},
            "The 2-core CPU of the development machine, torch 2.13.0+cpu; the default pair, synchronous step, "
-           "medians of 12 steps × 3 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
-           "step at every step (`--compact-plain`), one after the other",
+           "medians of 12 steps × 5 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
+           "step at every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
+           "after the other",
            ["batch", "plain decoding: schedule / launch less the forward / result / commit", "total",
-            "compact, plain steps: schedule / launch less the forward / result / commit", "total"],
-           [["{b}"] + [cell for a in ("n", "c") for cell in (
+            "compact, plain steps: schedule / launch less the forward / result / commit", "total",
+            "the same, choosing every step (`--plain-hold 1`)", "total"],
+           [["{b}"] + [cell for a in ("n", "c", "h") for cell in (
                " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward", "result",
                                                                        "commit")),
                f"<{a}:rows[batch={{b}}].total|.2f>")]],
@@ -552,6 +555,18 @@ FIGURES = [
              "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f>",
              "<{f}:idle.target alone.idle_us_per_step|.0f> · <{f}:idle.compact, plain step.idle_us_per_step|.0f>"]],
            [{"b": 128, "f": "a"}, {"b": 256, "f": "b"}]),
+
+    Figure("plain-probe-smollm2", {"b": "benchmarks/plain_probe_smollm2_256_h200.json"},
+           H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, a batch of decoding requests (random "
+           "prompts of 137–200 tokens), the plain step forced (no choice), steps timed in the overlapped loop, the "
+           "two engines in 5 alternating rounds of 24 steps (median); device time from 16 profiled steps each",
+           ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
+            "device µs per step: alone · plain", "host ms, launch: alone · plain"],
+           [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",
+             "<{f}:step_ms.compact, plain step.median / {f}:step_ms.target alone.median|.3f>",
+             "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f>",
+             "<{f}:host_ms_per_step.target alone.launch|.2f> · <{f}:host_ms_per_step.compact, plain step.launch|.2f>"]],
+           [{"b": 256, "f": "b"}]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
