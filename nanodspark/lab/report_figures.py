@@ -414,6 +414,22 @@ FIGURES = [
                f"<{a}:rows[batch={{b}}].total|.2f>")]],
            [{"b": 64}, {"b": 256}]),
 
+    Figure("host-plain-steps-h200", {"n": "benchmarks/host_plain_nospec_h200.json",
+                                "c": "benchmarks/host_plain_compact_h200.json",
+                                "h": "benchmarks/host_plain_compact_hold1_h200.json"},
+           H200 + "; the same on the device machine's host, CUDA graphs (`result` holds the wait for the GPU), "
+           "medians of 12 steps × 3 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
+           "step at every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
+           "after the other",
+           ["batch", "plain decoding: schedule / launch less the forward / result / commit", "total",
+            "compact, plain steps: schedule / launch less the forward / result / commit", "total",
+            "the same, choosing every step (`--plain-hold 1`)", "total"],
+           [["{b}"] + [cell for a in ("n", "c", "h") for cell in (
+               " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward", "result",
+                                                                       "commit")),
+               f"<{a}:rows[batch={{b}}].total|.2f>")]],
+           [{"b": 64}, {"b": 256}]),
+
     Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
            H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
            "rows as arrays, one 5 s window per engine after 2 s, one round",
