@@ -378,14 +378,15 @@ FIGURES = [
            [{"p": p, "name": name, "m": m, "c": c} for p, name in (("d", "default"), ("s", "SmolLM2 shapes"))
             for m in ("no-spec", "static") for c in (64, 256)]),
 
-    Figure("thesis-smollm2-shape-repeats", {"s": "benchmarks/steady_state_smollm2_shape_64_256_repeats_h200.json"},
-           H200 + "; as the table above at concurrency 64 and 256, two rounds in rotating order, paired medians "
-           "(min–max), another call",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"],
-           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]],
-           [{"c": 64}, {"c": 256}]),
+    Figure("thesis-smollm2-shape-repeats", {"s": "benchmarks/steady_state_smollm2_shape_64_256_repeats_h200.json",
+                                            "t": "benchmarks/steady_state_smollm2_shape_256_repeats_h200.json"},
+           H200 + "; as the table above, two rounds in rotating order, paired medians (min–max); the first two "
+           "rows in one call, the last in another (two other calls than the table above)",
+           ["call", "concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"],
+           [["{n}", "{c}"] + [f"<{{f}}:{_PAIRED}|.2f> (<{{f}}:paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                              f"<{{f}}:paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                              for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]],
+           [{"n": "A", "c": 64, "f": "s"}, {"n": "A", "c": 256, "f": "s"}, {"n": "B", "c": 256, "f": "t"}]),
 
     Figure("steady-default-prefill-graphs", {"s": "benchmarks/steady_state_default_prefill_graphs_h200.json"},
            H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission "
