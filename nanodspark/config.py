@@ -455,6 +455,9 @@ class EngineConfig:
                                           "in the cost table's file, says drafting does not pay", "speculation")
     verify_plain_hold: int = knob(8, "compact: steps a plain-step choice holds while the batch does not grow and "
                                      "no drafted confidences arrive (1 = choose at every step)", "speculation")
+    verify_step_clock: bool = knob(False, "compact: correct the step-cost profile by the engine's own step clock "
+                                          "(measured over predicted periods of plain and drafting steps) when "
+                                          "choosing plain steps", "speculation")
     verify_draft_fractions: tuple[float, ...] = knob(
         (0.25, 0.5, 0.75), "compact: shares of a batch whose most confident requests may draft alone, each "
                            "once the cost file holds its profile (bench profile --draft-fraction F)", "speculation")

@@ -55,6 +55,8 @@ DEFAULT_LAG = 2
 DEFAULT_MIN_GAIN = 0.04
 DEFAULT_SURVIVAL_EPS = 1e-6
 DEFAULT_PLAIN_HOLD = 8
+CLOCK_DECAY = 0.95           # the step clock's memory: about 20 steps of a kind
+CLOCK_MIN_STEPS = 8          # steps of a kind timed before its correction applies
 MODES = ("static", "compact", "cap-accept")
 
 
@@ -278,7 +280,7 @@ class CostScheduler:
                  cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
                  min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS,
                  plain_table: CostTable | None = None, share_tables: dict | None = None,
-                 plain_hold: int = DEFAULT_PLAIN_HOLD):
+                 plain_hold: int = DEFAULT_PLAIN_HOLD, step_clock: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
@@ -293,6 +295,10 @@ class CostScheduler:
             raise ValueError("plain_hold must be >= 1 (1: choose at every step)")
         self.plain_hold = plain_hold
         self._held: tuple[int, int] | None = None     # a plain streak's (step it ends, most rows)
+        # the engine's step clock: per kind (0: plain, 1: every row drafting), decayed sums of
+        # measured and predicted seconds and the steps timed (`time_step`)
+        self.step_clock = step_clock
+        self._clock = [(0.0, 0.0, 0), (0.0, 0.0, 0)]
         self._can_trim = (cost_table is not None and bool(cost_table.measurements)
                           and not cost_table.is_flat())
         self._warned = False
@@ -347,6 +353,9 @@ class CostScheduler:
         R, g = len(slot_ids), self.gamma
         if self._held is not None and step < self._held[0] and R <= self._held[1]:
             return DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0]))   # still plain
+        # the profile's prices, corrected by the step clock where it has timed both kinds
+        # (`predicted` stays the profile's own: the clock compares against it)
+        fp, fd = self.correction(0), self.correction(1)
         # a request without lagged confidences (just admitted) counts as the running mean, not as
         # certain: a wave of admissions must not buy a drafter's pass on hope
         lagged = self.relay.lagged_np(_host_ints(slot_ids), _host_ints(generation_ids), step, prior=True)
@@ -356,9 +365,9 @@ class CostScheduler:
             theta = (R + np.concatenate(([0.0], np.cumsum(np.sort(cells)[::-1])))) / times
             k = int(np.argmax(theta))
             return k, float(theta[k])
-        everyone = best_of(s.reshape(-1), self.cost_table.curve(R, R * g))[1]
+        everyone = best_of(s.reshape(-1), fd * self.cost_table.curve(R, R * g))[1]
         plain_t = float(self.plain_table.curve(R, 0)[0])
-        best, choice = R / plain_t, DraftChoice(0.0, None, 0, plain_t)     # a plain step: no cells
+        best, choice = R / (fp * plain_t), DraftChoice(0.0, None, 0, plain_t)     # a plain step: no cells
         if self.share_tables:           # the requests of largest lagged survival draft first
             order = np.argsort(-s.sum(1), kind="stable")
             for f in sorted(self.share_tables):
@@ -366,13 +375,31 @@ class CostScheduler:
                 if D in (0, R):
                     continue
                 times = self.share_tables[f].curve(R, D * g)
-                k, theta = best_of(s[order[:D]].reshape(-1), times)
+                k, theta = best_of(s[order[:D]].reshape(-1), fd * times)
                 if theta > best:
                     best, choice = theta, DraftChoice(f, order, k, float(times[k]))
         choice = choice if best > (1.0 + self.min_gain) * everyone else None
         plain = choice is not None and choice.fraction == 0.0
         self._held = (step + self.plain_hold, R) if plain else None
         return choice
+
+    def time_step(self, drafted, seconds: float, predicted: float) -> None:
+        """The step clock (`step_clock`): a decode-only step's measured period (`CostWindows`
+        times it) against the profile's price for it, kept for plain steps and for steps where
+        every row drafted. A profile timed in another run, without prefills, can be off by more
+        than `min_gain`, and by different amounts for the two kinds; this is what corrects it."""
+        drafted = np.asarray(drafted, dtype=bool)
+        kind = 0 if not drafted.any() else 1 if drafted.all() else None
+        if kind is None or not predicted > 0 or not 0 < seconds < 4 * predicted:
+            return                               # a partial step, an unpriced one, or an idle gap
+        m, p, n = self._clock[kind]
+        self._clock[kind] = (CLOCK_DECAY * m + seconds, CLOCK_DECAY * p + predicted, n + 1)
+
+    def correction(self, kind: int) -> float:
+        """Measured over predicted seconds of a kind of step (0: plain, 1: every row drafting);
+        1.0 without the step clock or before `CLOCK_MIN_STEPS` of that kind were timed."""
+        m, p, n = self._clock[kind]
+        return m / p if self.step_clock and n >= CLOCK_MIN_STEPS else 1.0
 
     def drafting_pays(self, slot_ids, generation_ids, step: int) -> bool:
         """Does any request run the drafter's pass this step (`draft_choice`)?"""

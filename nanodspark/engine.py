@@ -198,7 +198,8 @@ class LLMEngine:
                                     self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain,
-                                         share_tables=shares, plain_hold=cfg.verify_plain_hold))
+                                         share_tables=shares, plain_hold=cfg.verify_plain_hold,
+                                         step_clock=cfg.verify_step_clock))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

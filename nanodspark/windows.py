@@ -8,13 +8,16 @@ learns from results is also an observer: `observe` sees each step's applied rows
 * `StaticWindows`: full blocks for everyone (verify_mode static, or no cost table).
 * `CostWindows`: the cost scheduler (cost_scheduler.py): a budget from confidences `lag` steps
   old, pushed into its relay here as each step is committed; with a plain step-cost table, a
-  step where only the most confident requests run the drafter's pass, or none (a plain step).
+  step where only the most confident requests run the drafter's pass, or none (a plain step);
+  with the scheduler's step clock, each decode-only step's period is timed here too.
 * `ForcedWindows`: windows chosen by a function of the requests (tests and the step-cost
   profile; never built by the engine itself).
 
 Invariant: no policy reads the drafts of the step it plans (the budget's lag, paper section 5.2).
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -41,6 +44,7 @@ class StaticWindows(WindowPolicy):
 class CostWindows(WindowPolicy):
     def __init__(self, scheduler: CostScheduler):
         self.scheduler, self.gamma = scheduler, scheduler.gamma
+        self._seen: tuple[float, bool] | None = None    # the step clock: (when the last step was seen, had it a prefill)
 
     def plan(self, rows: DecodeRows, step: int) -> WindowPlan:
         c = self.scheduler.draft_choice(rows.slots, rows.generations, step)
@@ -54,6 +58,11 @@ class CostWindows(WindowPolicy):
         d = result.decode
         if d is not None and len(d.slots):
             self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, d.out.drafted != 0)
+        if self.scheduler.step_clock:           # a step's period: from the step seen before to this one
+            now, seen = time.perf_counter(), self._seen
+            if d is not None and len(d.slots) and not result.prefill and seen is not None and not seen[1]:
+                self.scheduler.time_step(d.out.drafted, now - seen[0], result.predicted_step_time)
+            self._seen = (now, bool(result.prefill))    # a prefill's device time spills into the next step
 
 
 class ForcedWindows(WindowPolicy):

@@ -562,6 +562,57 @@ def test_a_plain_choice_holds_until_the_batch_grows_or_drafted_confidences_arriv
         CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=0)
 
 
+def test_the_step_clock_corrects_each_kind_of_step_and_flips_the_choice_only_when_on():
+    """A profile that flatters drafting (steps that draft run 2x their price) makes compact draft
+    where a plain step wins; the step clock, once it has timed 8 drafting steps, prices them at
+    2x and chooses plain; once plain steps run 2x too, drafting wins again. Partial steps, idle
+    gaps and steps without a price are not timed; without the clock nothing is corrected."""
+    from nanodspark.cost_scheduler import CLOCK_MIN_STEPS
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    dear = CostTable({(b, 0): 2.5e-3 for b in (1, 8)})
+    on = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=dear, plain_hold=1, step_clock=True)
+    off = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=dear, plain_hold=1)
+    every, none = np.ones(8, bool), np.zeros(8, bool)
+    for s in (on, off):
+        s.record(0, range(8), range(8), np.full((8, 4), 0.9, np.float32))
+        assert s.draft_choice(range(8), range(8), step=2) is None            # the profile: drafting pays
+        for i in range(CLOCK_MIN_STEPS):
+            s.time_step(every, 12.4e-3, 6.2e-3)                               # drafting steps: 2x their price
+            s.time_step(np.arange(8) < 4, 1.0, 6.2e-3)                        # partial: not timed
+            s.time_step(none, 1.0, 2.5e-3)                                    # an idle gap: not timed
+            s.time_step(none, 2.5e-3, float("nan"))                           # no price: not timed
+    assert on.correction(1) == pytest.approx(2.0) and on.correction(0) == 1.0 and off.correction(1) == 1.0
+    assert on.draft_choice(range(8), range(8), step=2).fraction == 0.0        # corrected: plain wins
+    assert off.draft_choice(range(8), range(8), step=2) is None
+    for i in range(CLOCK_MIN_STEPS):
+        on.time_step(none, 5e-3, 2.5e-3)                                      # plain steps: 2x too
+    assert on.correction(0) == pytest.approx(2.0)
+    on.record(1, range(8), range(8), np.full((8, 4), 0.9, np.float32))        # (drafted: the hold ends)
+    assert on.draft_choice(range(8), range(8), step=3) is None                # both 2x: drafting again
+
+
+def test_cost_windows_time_decode_only_steps_for_the_step_clock(monkeypatch):
+    """`CostWindows.observe` hands the scheduler each decode-only step's period (from the step seen
+    before), skipping a step with a prefill and the one after it (the prefill's device time spills
+    over); without the step clock it times nothing."""
+    from types import SimpleNamespace
+    from nanodspark.windows import CostWindows
+    import nanodspark.windows as win
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    timed = []
+    for clock in (True, False):
+        s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=spec, step_clock=clock)
+        s.time_step = lambda drafted, seconds, predicted: timed.append((round(seconds, 6), predicted))
+        w, t = CostWindows(s), iter([1.0, 1.002, 1.010, 1.013, 1.016])
+        monkeypatch.setattr(win.time, "perf_counter", lambda: next(t))
+        out = SimpleNamespace(conf=np.zeros((2, 4), np.float32), drafted=np.ones(2, np.int64))
+        rows = SimpleNamespace(slots=np.arange(2), generations=np.arange(2), out=out)
+        for step, prefill in enumerate([False, False, True, False, False]):
+            w.observe(SimpleNamespace(decode=rows, prefill=[1] if prefill else [], step=step,
+                                      predicted_step_time=0.003))
+    assert timed == [(0.002, 0.003), (0.003, 0.003)]                          # steps 1 and 4 only
+
+
 def test_draft_choice_lets_the_confident_half_draft_computed_by_hand():
     """R = 4, gamma 2; every row drafting: T(4, K) = 26 ms + 1 ms per draft; the target alone
     20 ms; a share f drafting (ceil(4 f) rows), as profiled: 20 ms + 1.5 ms a drafting row + 1 ms

@@ -394,11 +394,13 @@ def test_plain_steps_keep_output_and_the_drafters_context(tiny_dir, drafter_dir)
     check_no_leak(mixed)
 
 
-@pytest.mark.parametrize("plain_ms, plain_steps", [(0.01, True), (100.0, False)], ids=["plain-cheap", "plain-dear"])
-def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp_path, plain_ms, plain_steps):
+@pytest.mark.parametrize("plain_ms, plain_steps, clock", [(0.01, True, False), (100.0, False, False),
+                                                          (0.01, True, True)],
+                         ids=["plain-cheap", "plain-dear", "plain-cheap-step-clock"])
+def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp_path, plain_ms, plain_steps, clock):
     """With the target's own profile in the cost file, compact runs plain steps where a plain
     step beats drafting (a cheap target) and never where it does not (a dear one); greedy output
-    is target-only's either way, and the drafted counts say what ran."""
+    is target-only's either way (with the step clock too), and the drafted counts say what ran."""
     from nanodspark.cost_table import CostTable
     path = tmp_path / "cost.json"
     steep_cost_table(tiny_dir, path)
@@ -406,8 +408,9 @@ def test_compact_runs_plain_steps_only_where_they_pay(tiny_dir, drafter_dir, tmp
               dtype=str(torch.float32), device=ENGINE_DEVICE).save(path)
     ps = prompts(6, 200, seed=5)
     llm = LLM(str(tiny_dir), use_tqdm=False, **EXACT, drafter_path=str(drafter_dir), verify_mode="compact",
-              cost_table=str(path), enable_prefix_cache=False)
+              cost_table=str(path), enable_prefix_cache=False, verify_step_clock=clock)
     assert llm.engine.windows.scheduler.plain_table is not None
+    assert llm.engine.windows.scheduler.step_clock is clock
     import time
     from nanodspark.lab.traces import StepLedger
     ledger = StepLedger.attach(llm.engine, time.monotonic)
