@@ -388,6 +388,16 @@ FIGURES = [
                               for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]],
            [{"n": "A", "c": 64, "f": "s"}, {"n": "A", "c": 256, "f": "s"}, {"n": "B", "c": 256, "f": "t"}]),
 
+    Figure("thesis-smollm2-shape-clock", {"s": "benchmarks/steady_state_smollm2_shape_clock_64_h200.json"},
+           H200 + "; as the SmolLM2 shapes' sweep, at concurrency 64, compact with and without the step clock "
+           "(`verify_step_clock`), one round, another call",
+           ["concurrency", "no-spec tok/s", "compact tok/s", "compact, step clock: tok/s", "compact / no-spec",
+            "step clock / compact", "step clock: plain steps / steps"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact", "compact-clock")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("compact/no-spec", "compact-clock/compact")]
+            + [f"<{_ACC.format(m='compact-clock')}.plain_steps|.0f> / <{_ACC.format(m='compact-clock')}.steps|.0f>"]],
+           [{"c": 64}]),
+
     Figure("steady-default-prefill-graphs", {"s": "benchmarks/steady_state_default_prefill_graphs_h200.json"},
            H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission "
            "in waves, prefill graphs, compact on the overlapped-loop profile, one 5 s window per engine after "
