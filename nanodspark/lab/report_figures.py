@@ -111,6 +111,25 @@ def _thesis_8b(name: str, law: str, caption: str) -> Figure:
                   [{"c": c} for c in (1, 16, 64, 256)])
 
 
+def _host_plain(name: str, machine: str, hardware: str) -> Figure:
+    """`bench host` by phase: plain decoding, compact's plain steps with the choice held (the
+    default) and made every step (`--plain-hold 1`), from benchmarks/host_plain_*_{machine}.json."""
+    files = {a: f"benchmarks/host_plain_{f}_{machine}.json"
+             for a, f in (("n", "nospec"), ("c", "compact"), ("h", "compact_hold1"))}
+    phases = "schedule / launch less the forward / result / commit"
+    return Figure(name, files,
+                  hardware + "; plain decoding (`--drafter none`) and the cost scheduler choosing a plain step at "
+                  "every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
+                  "after the other",
+                  ["batch", f"plain decoding: {phases}", "total", f"compact, plain steps: {phases}", "total",
+                   "the same, choosing every step (`--plain-hold 1`)", "total"],
+                  [["{b}"] + [cell for a in files for cell in (
+                      " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward",
+                                                                              "result", "commit")),
+                      f"<{a}:rows[batch={{b}}].total|.2f>")]],
+                  [{"b": 64}, {"b": 256}])
+
+
 FIGURES = [
     Figure("kernels", {"k": "benchmarks/kernels_h200.json"}, H200 + " (Qwen3-8B attention shape, bf16, pages of 16)",
            ["batch", "context", "q_len", "Triton, graph µs", "% of copy bandwidth (graph)", "SDPA, graph µs",
@@ -409,37 +428,12 @@ FIGURES = [
             + [f"<{_ACC.format(m='compact')}.drafts_verified / {_ACC.format(m='compact')}.decode_request_steps|.2f>"]],
            [{"c": 64}, {"c": 256}]),
 
-    Figure("host-plain-steps", {"n": "benchmarks/host_plain_nospec_cpu.json",
-                                "c": "benchmarks/host_plain_compact_cpu.json",
-                                "h": "benchmarks/host_plain_compact_hold1_cpu.json"},
-           "The 2-core CPU of the development machine, torch 2.13.0+cpu; the default pair, synchronous step, "
-           "medians of 12 steps × 5 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
-           "step at every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
-           "after the other",
-           ["batch", "plain decoding: schedule / launch less the forward / result / commit", "total",
-            "compact, plain steps: schedule / launch less the forward / result / commit", "total",
-            "the same, choosing every step (`--plain-hold 1`)", "total"],
-           [["{b}"] + [cell for a in ("n", "c", "h") for cell in (
-               " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward", "result",
-                                                                       "commit")),
-               f"<{a}:rows[batch={{b}}].total|.2f>")]],
-           [{"b": 64}, {"b": 256}]),
-
-    Figure("host-plain-steps-h200", {"n": "benchmarks/host_plain_nospec_h200.json",
-                                "c": "benchmarks/host_plain_compact_h200.json",
-                                "h": "benchmarks/host_plain_compact_hold1_h200.json"},
-           H200 + "; the same on the device machine's host, CUDA graphs (`result` holds the wait for the GPU), "
-           "medians of 12 steps × 3 repeats; plain decoding (`--drafter none`) and the cost scheduler choosing a plain "
-           "step at every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
-           "after the other",
-           ["batch", "plain decoding: schedule / launch less the forward / result / commit", "total",
-            "compact, plain steps: schedule / launch less the forward / result / commit", "total",
-            "the same, choosing every step (`--plain-hold 1`)", "total"],
-           [["{b}"] + [cell for a in ("n", "c", "h") for cell in (
-               " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward", "result",
-                                                                       "commit")),
-               f"<{a}:rows[batch={{b}}].total|.2f>")]],
-           [{"b": 64}, {"b": 256}]),
+    _host_plain("host-plain-steps", "cpu",
+                "The 2-core CPU of the development machine, torch 2.13.0+cpu; the default pair, synchronous step, "
+                "medians of 12 steps × 5 repeats"),
+    _host_plain("host-plain-steps-h200", "h200",
+                H200 + "; the same on the device machine's host, CUDA graphs (`result` holds the wait for the GPU), "
+                "medians of 12 steps × 3 repeats"),
 
     Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
            H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
