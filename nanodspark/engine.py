@@ -188,11 +188,15 @@ class LLMEngine:
             return StaticWindows(self.gamma)
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
-        # the target alone, if the same file holds its profile (`bench profile-plain --out` it):
-        # then compact may run a plain step where drafting does not pay at all
-        plain = CostTable.load(cfg.cost_table, f"{self.model_name} (no drafter)", str(self.dtype),
-                               self.device.type, ()) \
-            if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps else None
+        # a plain step's price, if the same file holds one: then compact may run a plain step where
+        # drafting does not pay at all. This engine's own plain step (`bench profile
+        # --draft-fraction 0`: it still keeps the drafter's context) if profiled, else the target
+        # alone (`bench profile-plain`), which prices it a little low
+        plain = None
+        if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps:
+            plain = next((t for name in (share_name(self.model_name, 0.0), f"{self.model_name} (no drafter)")
+                          if (t := CostTable.load(cfg.cost_table, name, str(self.dtype), self.device.type, ()))
+                          is not None and t.measurements), None)
         # and the profiles of steps where only a share drafts (`bench profile --draft-fraction`), if measured
         shares = {f: CostTable.load(cfg.cost_table, share_name(self.model_name, f), str(self.dtype),
                                     self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}

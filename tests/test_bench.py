@@ -115,6 +115,9 @@ def test_whole_step_profile_runs_real_engine_steps_with_forced_windows(tiny_dir,
     running = eng.scheduler.running
     for bs in (3, 1):
         run(bs, 0)                                   # a new batch size builds and prefills its batch
+        # as serving adds them (LLM.generate, serve.py's engine core): no text decoded in the step,
+        # else every step of the table carries host work that no served step does
+        assert not any(r.stream_text for r in running)
         for k in (0, 2, bs * eng.gamma):
             before = sum(r.spec.verified for r in running)
             run(bs, k)

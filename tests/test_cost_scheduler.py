@@ -674,3 +674,26 @@ def test_a_request_without_lagged_confidences_counts_as_the_mean_when_choosing_w
     assert np.allclose(got[:2], [[0.9, 0.81], [0.3, 0.09]]) and np.allclose(got[2], np.cumprod(mean))
     assert np.allclose(relay.lagged_np([2], [1], step=1), [[1.0, 1.0]])
     assert np.allclose(relay.lagged_np([2], [1], step=0, prior=True), [np.cumprod(relay.mean)])
+
+
+def test_the_engine_prices_its_plain_step_by_its_own_profile_when_the_file_holds_one(tmp_path):
+    """A cost file may hold the target alone ("(no drafter)") and this engine's own plain step
+    ("(draft 0)", `bench profile --draft-fraction 0`), which still keeps the drafter's context:
+    the engine prices its plain steps by its own, and by the target alone without it."""
+    from nanodspark import LLM
+    from nanodspark.lab.shapes import materialize
+    model = materialize("tiny-dense", tmp_path / "tiny-dense")
+    name, path = "tiny-dense (random weights)", tmp_path / "cost.json"
+    kw = dict(load_format="dummy", synthetic_acceptance="0.3:0.6", use_tqdm=False, max_num_seqs=4,
+              max_model_len=128, verify_mode="compact", cost_table=str(path))
+    probe = LLM(str(model), **{**kw, "verify_mode": "static", "cost_table": None}).engine
+    g, dtype, device = probe.gamma, str(probe.dtype), probe.device.type
+    del probe
+    sizes = (1, 2, 4)
+    save = lambda t, n: CostTable(t, model_name=n, dtype=dtype, device=device).save(path)   # noqa: E731
+    save({(b, k): 1e-3 * (2 + 0.1 * k) for b in sizes for k in range(0, b * g + 1)}, name)
+    save({(b, 0): 1e-3 for b in sizes}, f"{name} (no drafter)")
+    plain = lambda: LLM(str(model), **kw).engine.windows.scheduler.plain_table.predict(2, 0)   # noqa: E731
+    assert plain() == pytest.approx(1e-3)
+    save({(b, 0): 1.25e-3 for b in sizes}, f"{name} (draft 0)")
+    assert plain() == pytest.approx(1.25e-3)

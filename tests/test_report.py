@@ -96,3 +96,14 @@ def test_recorded_commands_are_written_as_they_run_today():
     assert report.recorded_command({"k": {"notes": {"command": "python -m nanodspark.bench profile"}}}) == \
         "python -m nanodspark.bench profile"
     assert report.recorded_command({"rows": []}) is None
+
+
+def test_a_path_names_a_cost_files_table_by_its_model_name():
+    """`@NAME` picks the one table whose key's model name is NAME (a key holds dots, so it
+    cannot be a dotted path), and refuses a name no table or several carry."""
+    doc = {"m|torch.bfloat16|cuda|tiers=": {"raw": [[4, 0, 1.0]]},
+           "m (draft 0)|torch.bfloat16|cuda|tiers=": {"raw": [[4, 0, 2.0]]}}
+    assert report.get(doc, "@m (draft 0).raw[0=4,1=0].2") == 2.0
+    assert report.get(doc, "@m.raw[0=4,1=0].2") == 1.0
+    with pytest.raises(KeyError, match="names 0 tables"):
+        report.get(doc, "@m (no drafter).raw")

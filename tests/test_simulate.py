@@ -335,10 +335,20 @@ def test_profile_plain_times_the_target_alone_and_saves_a_table(tiny_dir, tmp_pa
     reads back; the engine is left without requests."""
     from nanodspark.lab.bench import build_parser
     from nanodspark.lab.simulate import load_table, profile_plain
+    from nanodspark.engine import LLMEngine as Engine
     out = tmp_path / "plain.json"
     args = build_parser().parse_args(["profile-plain", "--model", str(tiny_dir), "--batch-sizes", "1", "2",
                                       "--context", "8", "--repeats", "2", "--kv-gb", "0.05", "--out", str(out)])
-    profile_plain(args)
+    streams, add = [], Engine.add_request
+
+    def spy(self, *a, **kw):
+        req = add(self, *a, **kw)
+        streams.append(req.stream_text)
+        return req
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "add_request", spy)
+        profile_plain(args)
+    assert streams and not any(streams)      # no text decoded in the timed steps, as serving adds requests
     t = load_table(out)
     assert sorted(t.measurements) == [(1, 0), (2, 0)] and all(v > 0 for v in t.measurements.values())
     assert t.model_name.endswith("(no drafter)") and StepCost(None, t).decode_seconds(2, 8, spec=False) == t.predict(2, 0)
@@ -378,6 +388,13 @@ def test_a_cost_file_names_its_partial_step_profiles_apart(tmp_path):
     assert list(shares) == [0.5] and shares[0.5].predict(4, 1) == pytest.approx(50e-3)
     cost = StepCost(spec, plain, shares=shares)
     assert cost.decode_seconds(4, 2, drafting=2) == pytest.approx(50e-3)          # ceil(0.5 * 4) rows
+    assert cost.decode_seconds(4, -1) == pytest.approx(20e-3) and cost.plain_step() is plain
+    # the speculative engine's own plain step ("(draft 0)"): its plain steps' price, not no speculation's
+    CostTable({(4, 0): 22e-3}, model_name="m (draft 0)").save(path)
+    cost = StepCost(load_table(path), load_table(path, plain=True), shares=load_shares(path))
+    assert cost.decode_seconds(4, -1) == pytest.approx(22e-3)
+    assert cost.decode_seconds(4, 0, spec=False) == pytest.approx(20e-3)           # no speculation
+    assert list(cost.partial_shares()) == [0.5] and cost.plain_step().predict(4, 0) == pytest.approx(22e-3)
     assert cost.decode_seconds(4, 2, drafting=1) == pytest.approx(28e-3)
     from nanodspark.cost_table import share_name, share_of
     assert share_of(share_name("m", 0.25)) == 0.25 and share_of("m (no drafter)") is None and share_of("m") is None

@@ -91,7 +91,7 @@ def run_traffic(llm, prompts, workloads, params) -> dict:
         spec.step_times.clear()          # this run's (predicted, measured) step seconds only
     llm.engine.clock.reset()
     t = time.perf_counter()
-    reqs = [llm.engine.add_request(p, params, queue_limit=False) for p in prompts]
+    reqs = [llm.engine.add_request(p, params, queue_limit=False, stream_text=False) for p in prompts]   # as LLM.generate
     while llm.engine.has_unfinished():
         llm.engine.step()
     wall = time.perf_counter() - t

@@ -5,9 +5,10 @@ is a `Figure` in `FIGURES` (nanodspark/lab/report_figures.py): a name, the JSON 
 the hardware, and rows of cell templates. A cell template is text with queries in angle
 brackets, `<expr|fmt>`: `expr` is a path into the JSON, or paths and numbers joined by
 ` + `, ` - `, ` * `, ` / ` (spaces around the operator), and `fmt` a Python format spec. A path
-is dotted keys (`*`: the one value of a one-key dict); `key[a=1,b=null]` picks the one element
-of a list whose fields match (`null` matches None, `*` anything but None; on a list of lists the
-field names are indices); `key[3]` indexes. With several files, a path starts with the file's
+is dotted keys (`*`: the one value of a one-key dict; `@NAME`: the table of a cost file whose
+model name is NAME); `key[a=1,b=null]` picks the one element of a list whose fields match
+(`null` matches None, `*` anything but None; on a list of lists the field names are indices);
+`key[3]` indexes. With several files, a path starts with the file's
 alias, `http:sweep[...]`. `{name}` in a template is replaced by the row's parameter first.
 
 On the page each table sits between `<!-- report:NAME -->` and `<!-- /report -->`, followed by a
@@ -106,6 +107,11 @@ def get(doc, path: str):
             if not isinstance(value, dict) or len(value) != 1:
                 raise KeyError(f"'*' needs a dict of one key in {path!r}")
             value = next(iter(value.values()))
+        elif key.startswith("@"):                     # a cost file's table by its model name
+            found = [v for k, v in value.items() if k.split("|")[0] == key[1:]]
+            if len(found) != 1:
+                raise KeyError(f"{key!r} names {len(found)} tables in {path!r}")
+            value = found[0]
         elif key and isinstance(value, list) and key.isdigit():
             value = value[int(key)]
         elif key:

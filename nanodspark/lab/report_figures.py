@@ -31,6 +31,10 @@ _SS = "sweep[mode={m},concurrency={c}].total_tok_s"
 _PAIRED = "paired[concurrency={c},ratio={r}].median"
 _G = "sweep[mode={m},concurrency={c}].total_tok_s"
 _ACC = "sweep[mode={m},concurrency={{c}}].accounting"
+_DEC = ("s:sweep[mode={m},concurrency={{c}}].accounting.decode_only_s / "
+        "s:sweep[mode={m},concurrency={{c}}].accounting.decode_only_steps")
+_T = "@{T}"                                     # a table of a cost file, by its model name
+_SMOL = "smollm2-135m (random weights)"
 # one row of benchmarks/api_servers_h200.json's summary (% (concurrency, client processes))
 _APIS = "a:summary[call={call},side=n{n},concurrency=%d,clients=%d]"
 
@@ -48,10 +52,11 @@ _SERVER = {"cpu_300_unhardened": "CPU, the server before its hardening, 300 requ
            "h200": "H200, 2,000 requests at 64"}
 
 def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64, 128, 256),
-             trend: bool = True) -> Figure:
+             trend: bool = True, table: str | None = None) -> Figure:
     """A step-cost profile: per batch size, the raw step at K = 0 and with full blocks, their
     ratio, the trend gate's z (`trend`: a profile of one round has none) and what the table
-    (monotone, gated) keeps for full blocks."""
+    (monotone, gated) keeps for full blocks. `table`: the model name of the file's table
+    shown, where the file holds several."""
     head = ["batch", "ms per step, K = 0", f"ms, full blocks (K = {gamma} × batch)", "full / K = 0",
             "trend z", "in the table, full blocks"]
     row = ["{b}", "<*.raw[0={b},1=0].2 * 1000|.2f>", "<*.raw[0={b},1={k}].2 * 1000|.2f>",
@@ -59,6 +64,8 @@ def _profile(name: str, path: str, gamma: int, hardware: str, batches=(1, 16, 64
            "<*.measurements[0={b},1={k}].2 * 1000|.2f>"]
     if not trend:
         del head[4], row[4]
+    if table is not None:
+        row = [r.replace("<*.", f"<@{table}.").replace("/ *.", f"/ @{table}.") for r in row]
     return Figure(name, {"t": path}, hardware, head, [row], [{"b": b, "k": gamma * b} for b in batches])
 
 
@@ -371,9 +378,9 @@ FIGURES = [
     Figure("thesis-smollm2-shape", {"s": "benchmarks/steady_state_smollm2_shape_h200.json"},
            H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, drafts accepted by a synthetic law "
            "(rates uniform in 0.3–0.6), in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, "
-           "prefix cache off, admission in waves, compact on the shape's profiles timed in the overlapped loop "
-           "(`benchmarks/cost_table_smollm2_shape_h200.json`, carried as `.carry/smol/cost.json`), one 5 s window "
-           "per engine after 2 s, one round",
+           "prefix cache off, admission in waves, compact on the shape's four profiles timed in the overlapped loop "
+           "without text decoded in the step, earlier in the same call (`benchmarks/cost_table_smollm2_shape_h200.json`, "
+           "commands in its notes), one 5 s window per engine after 2 s, one round",
            ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
             "compact / static", "A/A: static-b / static", "compact: plain steps / steps", "accepted / verified, static"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
@@ -397,25 +404,38 @@ FIGURES = [
            [{"p": p, "name": name, "m": m, "c": c} for p, name in (("d", "default"), ("s", "SmolLM2 shapes"))
             for m in ("no-spec", "static") for c in (64, 256)]),
 
-    Figure("thesis-smollm2-shape-repeats", {"s": "benchmarks/steady_state_smollm2_shape_64_256_repeats_h200.json",
-                                            "t": "benchmarks/steady_state_smollm2_shape_256_repeats_h200.json"},
-           H200 + "; as the table above, two rounds in rotating order, paired medians (min–max); the first two "
-           "rows in one call, the last in another (two other calls than the table above)",
-           ["call", "concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"],
-           [["{n}", "{c}"] + [f"<{{f}}:{_PAIRED}|.2f> (<{{f}}:paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                              f"<{{f}}:paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
-                              for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]],
-           [{"n": "A", "c": 64, "f": "s"}, {"n": "A", "c": 256, "f": "s"}, {"n": "B", "c": 256, "f": "t"}]),
+    Figure("thesis-smollm2-shape-clock", {"s": "benchmarks/steady_state_smollm2_shape_clock_h200.json"},
+           H200 + "; as the SmolLM2 shapes' sweep, on its profiles, compact with and without the step clock "
+           "(`verify_step_clock`), two rounds in rotating order, paired medians (min–max), another call "
+           "(`.carry/smol/cost_new.json` is that sweep's cost file, `benchmarks/cost_table_smollm2_shape_h200.json`)",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
+            "step clock / compact", "compact: plain steps / steps"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static",
+                                 "compact-clock/compact")]
+            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
+           [{"c": 16}, {"c": 64}, {"c": 256}]),
 
-    Figure("thesis-smollm2-shape-clock", {"s": "benchmarks/steady_state_smollm2_shape_clock_64_h200.json"},
-           H200 + "; as the SmolLM2 shapes' sweep, at concurrency 64, compact with and without the step clock "
-           "(`verify_step_clock`), one round, another call",
-           ["concurrency", "no-spec tok/s", "compact tok/s", "compact, step clock: tok/s", "compact / no-spec",
-            "step clock / compact", "step clock: plain steps / steps"],
-           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact", "compact-clock")]
-            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("compact/no-spec", "compact-clock/compact")]
-            + [f"<{_ACC.format(m='compact-clock')}.plain_steps|.0f> / <{_ACC.format(m='compact-clock')}.steps|.0f>"]],
-           [{"c": 64}]),
+    Figure("profile-against-served-smollm2-shape", {"t": "benchmarks/cost_table_smollm2_shape_h200.json",
+                                                    "s": "benchmarks/steady_state_smollm2_shape_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS): each kind of step as its profile prices it (the table, "
+           "timed in the overlapped loop, no text in the step, context 256) and as the sweep's decode-only steps "
+           "cost at that concurrency (its accounting: their seconds over their count; under the law 0.3–0.6, drafts "
+           "committed); a dash where the sweep ran no step of that kind",
+           ["batch", "every row drafting: profile, full blocks", "static: served", "served / profile",
+            "plain step of the speculative engine: profile (draft 0)", "compact's plain step: served",
+            "the target alone: profile", "no-spec: served", "served / profile"],
+           [["{c}", f"<t:{_T}.raw[0={{c}},1={{k}}].2 * 1000|.2f>".replace("{T}", "{full}"),
+             f"<{_DEC.format(m='static')} * 1000|.2f>",
+             f"<{_DEC.format(m='static')} / t:{_T}.raw[0={{c}},1={{k}}].2|.2f>".replace("{T}", "{full}"),
+             f"<t:{_T}.raw[0={{c}},1=0].2 * 1000|.2f>".replace("{T}", "{zero}"), "{plain}",
+             f"<t:{_T}.raw[0={{c}},1=0].2 * 1000|.2f>".replace("{T}", "{alone}"),
+             f"<{_DEC.format(m='no-spec')} * 1000|.2f>",
+             f"<{_DEC.format(m='no-spec')} / t:{_T}.raw[0={{c}},1=0].2|.2f>".replace("{T}", "{alone}")]],
+           [{"c": c, "k": 5 * c, "full": _SMOL, "zero": _SMOL + " (draft 0)", "alone": _SMOL + " (no drafter)",
+             "plain": f"<{_DEC.format(m='compact').replace('{c}', str(c))} * 1000|.2f>" if c >= 128 else "–"}
+            for c in (1, 16, 64, 128, 256)]),
 
     Figure("steady-default-prefill-graphs", {"s": "benchmarks/steady_state_default_prefill_graphs_h200.json"},
            H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission "
@@ -476,6 +496,30 @@ FIGURES = [
                      "`bench simulate` on a CPU, from the SmolLM2 pair's H200 profile (no plain profile: no "
                      "speculation is priced at K = 0 of the speculative table, which still holds the drafter's pass), "
                      "the static traces of its sweep and the overheads fitted to that sweep; measured: that sweep"),
+
+    _simulator_check("simulator-check-smollm2-shape", "smollm2_shape",
+                     "`bench simulate` on a CPU, from the SmolLM2 shapes' H200 profiles of the sweep above (every row "
+                     "drafting, the plain step of the speculative engine, the partial step of a quarter, the target "
+                     "alone), the static traces of that sweep at each concurrency and the overheads fitted to it per "
+                     "whole run; the last column fits them on the other four concurrencies only; measured: that sweep",
+                     held_out=True, concurrencies=(1, 16, 64, 128, 256)),
+
+    _profile("cost-profile-default-notext", "benchmarks/cost_table_default_notext_h200.json", 5,
+             H200 + "; the default pair, whole steps timed in the overlapped loop with CUDA graphs, no text decoded "
+                    "in the step (as serving adds requests), context 256, mix prompts, 2 rounds; the first of the "
+                    "file's three tables (every row drafting)", batches=(1, 16, 64, 256), table="default"),
+
+    Figure("thesis-default-notext", {"s": "benchmarks/steady_state_default_notext_h200.json"},
+           H200 + "; the default pair in-process, closed loop, mix workload, greedy, prefix cache off, admission in "
+           "waves, compact on the profiles above (its own plain step priced by the draft-0 table), one 5 s window "
+           "per engine after 2 s, one round; the host's wait for the GPU per step is the `result` phase",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / static",
+            "A/A: static-b / static", "static: ms per step waiting for the GPU · the whole step"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static", "static-b/static")]
+            + ["<sweep[mode=static,concurrency={c}].phase_ms.result|.2f> · "
+               f"<{_DEC.format(m='static')} * 1000|.2f>"]],
+           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
     Figure("drift-check", {"d": "benchmarks/drift_check_h200.json"},
            H200 + "; `nanodspark.lab.drift_check`: the default pair in bf16 with CUDA graphs, temperature 1, no "
@@ -580,7 +624,8 @@ FIGURES = [
     Figure("plain-probe-smollm2", {"b": "benchmarks/plain_probe_smollm2_256_h200.json"},
            H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, a batch of decoding requests (random "
            "prompts of 137–200 tokens), the plain step forced (no choice), steps timed in the overlapped loop, the "
-           "two engines in 5 alternating rounds of 24 steps (median); device time from 16 profiled steps each",
+           "two engines in 5 alternating rounds of 24 steps (median); device time from 16 profiled steps each; "
+           "both engines' requests then decoded their text every step (the probe's requests no longer do)",
            ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
             "device µs per step: alone · plain", "host ms, launch: alone · plain"],
            [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",

@@ -73,9 +73,12 @@ class StepCost:
     shares: dict | None = None        # fraction -> T(R, K) with that share drafting (`profile --draft-fraction`)
 
     def decode_seconds(self, R: int, K: int, spec: bool = True, drafting: int | None = None) -> float:
-        """K < 0: a plain step of a speculative engine (the ledger's mark), priced as no speculation.
+        """K < 0: a plain step of a speculative engine (the ledger's mark), priced by its own
+        profile (share 0, `profile --draft-fraction 0`) if given, else as no speculation.
         `drafting` < R rows running the drafter's pass: the profile of the share f with
         ceil(f * R) = drafting rows (as the engine drafts), else `table`'s price (an upper bound)."""
+        if spec and K < 0 and 0.0 in (self.shares or {}):
+            return self.shares[0.0].predict(R, 0)
         spec = spec and K >= 0
         if spec and drafting is not None and drafting < R:
             f = next((f for f in sorted(self.shares or {}) if math.ceil(f * R) == drafting), None)
@@ -83,6 +86,14 @@ class StepCost:
                 return self.shares[f].predict(R, K)
         t = self.table if spec or self.plain is None else self.plain
         return t.predict(R, K if spec else 0)
+
+    def plain_step(self) -> CostTable | None:
+        """The price of a speculative engine's plain step, as the engine picks it (engine.py)."""
+        return (self.shares or {}).get(0.0) or self.plain
+
+    def partial_shares(self) -> dict | None:
+        """The shares 0 < f < 1 (the cost scheduler's partial steps)."""
+        return {f: t for f, t in self.shares.items() if 0.0 < f < 1.0} if self.shares else self.shares
 
     def step_seconds(self, R: int, K: int, prefill_rows: int, spec: bool = True, drafting: int | None = None) -> float:
         s = self.host_s + (self.decode_seconds(R, K, spec, drafting) if R else 0.0)
@@ -159,10 +170,10 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
         raise ValueError(f"{system} needs traces of gamma {g}")
     compact = system.startswith("compact")
     # plain steps, and steps where only some requests draft, where drafting all does not pay
-    plain = cost.plain if system in ("compact", "compact-no-partial") else None
+    plain = cost.plain_step() if system in ("compact", "compact-no-partial") else None
     policy = (CostWindows(CostScheduler(g, max_num_seqs, mode="compact", cost_table=cost.table, lag=lag,
                                         min_gain=1e9 if system == "compact-no-trim" else min_gain, plain_table=plain,
-                                        share_tables=None if system == "compact-no-partial" else cost.shares))
+                                        share_tables=None if system == "compact-no-partial" else cost.partial_shares()))
               if compact else StaticWindows(g))
     pick = trace_picker(traces if spec else None, len(work.prompts))
     free = list(range(max_num_seqs))[::-1]
@@ -228,9 +239,9 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
                 windows = np.minimum(windows, wp.window_cap)
             windows[drafting:] = 0
             K = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))   # as the ledger prices it
-            if not drafting:                                # a plain step: the target's own price
-                K = 0
-        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec and drafting > 0, drafting)
+            if not drafting:                                # a plain step: the ledger's mark
+                K = -1
+        t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec, drafting)
         # commit
         finished = []
         for r, rows in chunks:
@@ -416,7 +427,7 @@ def simulate(args) -> dict:
               "inputs": {"cost_table": args.cost_table, "table_key": args.table_key, "plain_table": args.plain_table,
                          "traces": args.traces, "traces_tau": traces.tau() if traces else None,
                          "censored_steps": traces.censored() if traces else 0, "traces_meta": traces.meta if traces else {}},
-              "step_cost": {s: {k: v for k, v in vars(c).items() if k not in ("table", "plain")} for s, c in costs.items()},
+              "step_cost": {s: {k: v for k, v in vars(c).items() if k not in ("table", "plain", "shares")} for s, c in costs.items()},
               "calibrated_from": args.calibrate_from, "calibrated_by": args.calibrate_by if args.calibrate_from else None,
               "calibrated_on": args.calibrate_concurrency, "runs": rows, "sweep": median_rows(rows)}
     result["paired"] = paired_ratios(rows)
@@ -520,7 +531,7 @@ def profile_plain(args) -> dict:
         for r in state["reqs"]:
             eng.release(r.request_id)
         state["reqs"] = [eng.add_request(rng.integers(0, eng.model_config.vocab_size, args.context).tolist(), params,
-                                         queue_limit=False) for _ in range(bs)]
+                                         queue_limit=False, stream_text=False) for _ in range(bs)]
         while any(not r.is_decoding for r in state["reqs"]):
             eng.step()
         state["bs"] = bs

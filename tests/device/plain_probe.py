@@ -53,7 +53,7 @@ def plain_runner(llm, ps: list[list[int]], context: int):
         drain(eng)
         for r in reqs:
             eng.release(r.request_id)
-        reqs[:] = [eng.add_request(p, params, queue_limit=False) for p in ps]
+        reqs[:] = [eng.add_request(p, params, queue_limit=False, stream_text=False) for p in ps]
         while any(not r.is_decoding for r in reqs):
             eng.step()
     return prepare, eng.step
