@@ -215,14 +215,15 @@ class ConfidenceRelay:
             self.plain[row] = True
             self.plain_mean[row] = self.mean
             return
-        if own.ndim == 0:                     # one flag for every row
-            own = np.full(slots.shape, True)
         self._settle_plain()                  # `last` changes below: write what plain rows carry now
-        c = np.empty((len(slots), self.gamma), dtype=np.float32)
-        fresh = _host_floats(conf)[own]
-        self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
-        c[own] = fresh
-        if not own.all():
+        if own.ndim == 0 or own.all():        # every row drafted: its own confidences, no gathers
+            c = _host_floats(conf)
+            self.last[slots], self.last_generation[slots] = c, gens
+        else:
+            c = np.empty((len(slots), self.gamma), dtype=np.float32)
+            fresh = _host_floats(conf)[own]
+            self.last[slots[own]], self.last_generation[slots[own]] = fresh, gens[own]
+            c[own] = fresh
             s, g = slots[~own], gens[~own]
             c[~own] = np.where((self.last_generation[s] == g)[:, None], self.last[s], self.mean)
         # the mean over every row of the batch, not over those that drafted: when only the
@@ -295,6 +296,7 @@ class CostScheduler:
             raise ValueError("plain_hold must be >= 1 (1: choose at every step)")
         self.plain_hold = plain_hold
         self._held: tuple[int, int] | None = None     # a plain streak's (step it ends, most rows)
+        self._all_held: tuple[int, int] | None = None # the same for a clear choice of every row drafting
         # the engine's step clock: per kind (0: plain, 1: every row drafting), decayed sums of
         # measured and predicted seconds and the steps timed (`time_step`)
         self.step_clock = step_clock
@@ -347,12 +349,17 @@ class CostScheduler:
         objective) beat every step where all rows draft by more than min_gain; else None. A
         plain step, once chosen, holds for `plain_hold` steps unless the batch grows or drafted
         confidences arrive (`record`): the lag makes any choice lossless, and this one saves the
-        host a choice per step that would read the same relay."""
+        host a choice per step that would read the same relay. So does every row drafting when
+        it beat each alternative by more than min_gain, unless the batch grows (and unless the
+        step clock is on): a choice that clear does not turn on one step's news, and it is the
+        host's work of every step on a pair where drafting always pays."""
         if self.plain_table is None or self.effective_mode() != "compact":
             return None
         R, g = len(slot_ids), self.gamma
         if self._held is not None and step < self._held[0] and R <= self._held[1]:
             return DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0]))   # still plain
+        if self._all_held is not None and step < self._all_held[0] and R <= self._all_held[1]:
+            return None                                                                 # still every row
         # the profile's prices, corrected by the step clock where it has timed both kinds
         # (`predicted` stays the profile's own: the clock compares against it)
         fp, fd = self.correction(0), self.correction(1)
@@ -378,9 +385,12 @@ class CostScheduler:
                 k, theta = best_of(s[order[:D]].reshape(-1), fd * times)
                 if theta > best:
                     best, choice = theta, DraftChoice(f, order, k, float(times[k]))
+        # every row drafting, by a margin (not with the step clock: its prices move every step)
+        clear = everyone > (1.0 + self.min_gain) * best and not self.step_clock
         choice = choice if best > (1.0 + self.min_gain) * everyone else None
         plain = choice is not None and choice.fraction == 0.0
         self._held = (step + self.plain_hold, R) if plain else None
+        self._all_held = (step + self.plain_hold, R) if clear else None
         return choice
 
     def time_step(self, drafted, seconds: float, predicted: float) -> None:

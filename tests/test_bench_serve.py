@@ -405,3 +405,23 @@ def test_every_committed_token_of_a_real_engine_is_counted_from_the_step_arrays(
     assert len(done) == 6 and all(r.error is None for r in done)
     assert all(sum(n for _, n in r.chunks) == r.tokens == work.request(r.index)[2] for r in done)
     assert all(len(r.chunks) > 2 for r in done)          # not only the first token and the last step
+
+
+def test_in_process_engines_decode_no_text_unless_asked(tiny_dir):
+    """The engine front end runs each engine as serve.py's engine core does, text-free (its API
+    processes decode): a finishing request's text is not decoded inside the step. `--stream-text`
+    keeps the tokenizer (text decoded in the step, every step)."""
+    from nanodspark.lab.bench import build_parser
+    from nanodspark.sampling import SamplingParams
+    model = str(tiny_dir)
+    for flag, has_text in (([], False), (["--stream-text"], True)):
+        args = build_parser().parse_args(["serve", "--model", model, "--systems", "no-spec", "--kv-gb", "0.05",
+                                          "--concurrency", "1", *flag])
+        with bsv._backends(args, ["no-spec"]) as backends:
+            eng = backends["no-spec"].engine
+            assert (eng.tokenizer is not None) == has_text
+            r = eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                queue_limit=False, stream_text=False)
+            while eng.has_unfinished():
+                eng.step()
+            assert len(r.output_ids) == 3 and (r.text != "") == has_text

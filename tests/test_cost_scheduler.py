@@ -562,6 +562,34 @@ def test_a_plain_choice_holds_until_the_batch_grows_or_drafted_confidences_arriv
         CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=0)
 
 
+def test_a_clear_choice_of_every_row_drafting_holds_until_the_batch_grows(monkeypatch):
+    """Every row drafting, chosen by more than min_gain over each alternative, holds `plain_hold`
+    steps without reading the relay, whatever confidences arrive meanwhile; a bigger batch or the
+    hold's end choose afresh. A near tie is chosen afresh at every step."""
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    dear = CostTable({(b, 0): 2.5e-3 for b in (1, 8)})
+    s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=dear, plain_hold=3)
+    s.record(0, range(8), range(8), np.full((8, 4), 0.9, np.float32))
+    reads, real = [], s.relay.lagged_np
+    monkeypatch.setattr(s.relay, "lagged_np", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
+    assert s.draft_choice(range(6), range(6), step=2) is None and reads == [2]     # chosen: every row
+    s.record(2, range(6), range(6), np.zeros((6, 4), np.float32))                 # news: no re-choice
+    assert s.draft_choice(range(6), range(6), step=3) is None and reads == [2]
+    assert s.draft_choice(range(8), range(8), step=4) is None and reads == [2, 4]  # the batch grew
+    assert s.draft_choice(range(8), range(8), step=5) is None and reads == [2, 4]
+    s.draft_choice(range(8), range(8), step=7)
+    assert reads == [2, 4, 7]                                                      # the hold's end
+    # a near tie: plain priced so that drafting wins by less than min_gain is chosen every step
+    tie = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=dear, plain_hold=3)
+    tie.record(0, range(8), range(8), np.full((8, 4), 0.9, np.float32))
+    theta_all = max((8 + np.sort(np.cumprod(np.full((8, 4), 0.9), 1).ravel())[::-1][:k].sum()) / t
+                    for k, t in enumerate(spec.curve(8, 32)))
+    tie.plain_table = CostTable({(b, 0): 8 / (theta_all / 1.02) for b in (1, 8)})   # plain 2 % behind
+    monkeypatch.setattr(tie.relay, "lagged_np", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
+    assert tie.draft_choice(range(8), range(8), step=2) is None and tie.draft_choice(range(8), range(8), step=3) is None
+    assert reads[-2:] == [2, 3]
+
+
 def test_the_step_clock_corrects_each_kind_of_step_and_flips_the_choice_only_when_on():
     """A profile that flatters drafting (steps that draft run 2x their price) makes compact draft
     where a plain step wins; the step clock, once it has timed 8 drafting steps, prices them at

@@ -7,7 +7,8 @@ The idea
     window (`--duration` seconds, or the first `--num-requests` requests sent after the
     warm-up) is timed while the clients keep going, and the clients keep the load at C until
     every measured request has finished. One harness, two front ends: the engine in-process
-    (`--frontend engine`: add_request / step) and a running `serve.py` over HTTP with streaming
+    (`--frontend engine`: add_request / step, the engine text-free as `serve.py`'s engine core
+    runs it, whose API processes decode the text) and a running `serve.py` over HTTP with streaming
     (`--frontend http`: `/v1/completions`, raw asyncio streams; `--url`, or `--spawn` one server
     per system). A sweep runs every system (`--systems`: no-spec, static, compact, and static-b,
     an A/A control) at every `--concurrency`, `--repeats` rounds whose order rotates, and writes
@@ -671,6 +672,8 @@ def _backends(args, systems: list[str]):
             if args.frontend == "engine":
                 from .. import LLM
                 out[s] = LLM(args.model, **engine_config(args, s))
+                if not args.stream_text:      # as serve.py's engine core: text is the front end's work,
+                    out[s].engine.tokenizer = None   # not decoded in the step (not even at a finish)
             elif args.url:
                 out[s] = args.url
             else:
@@ -887,7 +890,8 @@ def add_serve_args(p, dspark: bool = False) -> None:
     p.add_argument("--eager-prefill", action="store_true",
                    help="prefill forwards run eagerly, not from CUDA graphs (an A/B of cuda_graph_prefill)")
     p.add_argument("--stream-text", action="store_true",
-                   help="engine front end: detokenize every step, as serving does")
+                   help="engine front end: detokenize in the step, every step (default: the engine decodes "
+                        "no text, as serve.py's engine core)")
     p.add_argument("--record-traces", default=None, metavar="DIR",
                    help="engine front end: write acceptance traces (simulator input) of each speculative "
                         "system's first round to DIR/<system>_<workload>_c<C>.npz")

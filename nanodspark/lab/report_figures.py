@@ -521,6 +521,26 @@ FIGURES = [
                f"<{_DEC.format(m='static')} * 1000|.2f>"]],
            [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
+    Figure("thesis-textfree", {"s": "benchmarks/steady_state_smollm2_shape_textfree_h200.json",
+                               "d": "benchmarks/steady_state_default_textfree_h200.json"},
+           H200 + "; both pairs in-process with the engines text-free, as `serve.py`'s engine core runs them (no "
+           "text decoded in the step, not even at a request's finish), on the profiles above (carried as "
+           "`.carry/smol/cost_new.json` and `.carry/probe/cost_default_notext.json`), one 5 s window per engine "
+           "after 2 s, one round, both sweeps in one call; the SmolLM2 shapes with RANDOM WEIGHTS and the law "
+           "0.3–0.6",
+           ["pair", "concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec",
+            "compact / no-spec", "compact / static", "A/A: static-b / static", "compact: plain steps / steps",
+            "ms per decode-only step: no-spec · static · compact"],
+           [["{name}", "{c}"] + [f"<{{f}}:{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{{f}}:{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec",
+                                                                  "compact/static", "static-b/static")]
+            + ["<{f}:sweep[mode=compact,concurrency={c}].accounting.plain_steps|.0f> / "
+               "<{f}:sweep[mode=compact,concurrency={c}].accounting.steps|.0f>",
+               " · ".join(f"<{{f}}:sweep[mode={m},concurrency={{c}}].accounting.decode_only_s / "
+                          f"{{f}}:sweep[mode={m},concurrency={{c}}].accounting.decode_only_steps * 1000|.2f>"
+                          for m in ("no-spec", "static", "compact"))]],
+           [{"f": f, "name": name, "c": c} for f, name in (("s", "SmolLM2 shapes"), ("d", "default")) for c in (16, 64, 256)]),
+
     Figure("drift-check", {"d": "benchmarks/drift_check_h200.json"},
            H200 + "; `nanodspark.lab.drift_check`: the default pair in bf16 with CUDA graphs, temperature 1, no "
            "per-request seeds, 4 new tokens, batch 256, 8,000 samples, the steep synthetic step-cost table (about "
