@@ -293,7 +293,7 @@ def test_host_bench_times_every_phase_of_real_steps_and_records_the_command(tiny
     out = tmp_path / "host.json"
     res = bh.host_bench(argparse.Namespace(model=str(model), drafter=None, batches=[3], steps=3, repeats=1,
                                            prompt_len=16, stop=["zz"], stream_text=True, out=str(out),
-                                           compact_plain=False, plain_hold=None))
+                                           compact_plain=False, plain_hold=None, compact_drafting=False))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3 and row == res["rows"][0]
     assert all(row[k] >= 0 for k in bh.PHASES) and row["commit"] > 0      # the forward is not counted as launch
@@ -321,6 +321,28 @@ def test_compact_plain_makes_the_real_cost_scheduler_choose_plain_steps(tiny_dir
     llm.generate([[5, 6, 7, 8]] * 3, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert drafted and not any(drafted)
     assert choices and all(c is not None and c.fraction == 0 for c in choices)
+
+
+def test_compact_drafting_makes_the_real_cost_scheduler_hold_every_row_drafting(tiny_dir, tmp_path):
+    """`bench host --compact-drafting` times the cost scheduler where drafting always pays: every
+    decode step drafts every row, and the clear choice holds (`draft_choice` reads the relay only
+    when the hold ends or the batch grows)."""
+    from nanodspark import LLM, SamplingParams
+    from nanodspark.lab.bench_host import force_drafting_steps
+    model = tmp_path / "pair"
+    shutil.copytree(tiny_dir, model)
+    make_drafter(model, model / "drafter")
+    llm = LLM(str(model), use_tqdm=False, verify_mode="compact", max_num_seqs=4, verify_plain_hold=4)
+    force_drafting_steps(llm.engine)
+    drafted, reads = [], []
+    relay = llm.engine.windows.scheduler.relay
+    real = relay.lagged_np
+    relay.lagged_np = lambda *a, **k: (reads.append(k.get("prior", False)), real(*a, **k))[1]
+    llm.engine.extra_observers.append(type("Spy", (), {"observe": lambda self, r: r.decode is not None and
+                                                       drafted.append(r.decode.out.drafted.all())})())
+    llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert len(drafted) >= 8 and all(drafted)
+    assert 0 < sum(reads) < len(drafted) / 2      # draft_choice's reads (prior=True): held most steps
 
 
 def test_engine_speed_times_engines_without_the_prefix_cache(tiny_dir, tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ The host's work does not depend on the device, so the CPU's figures compare two 
 engine honestly, though not the CPU with the H200's host. `--compact-plain`: the cost scheduler
 (verify_mode compact) on step-cost tables by which drafting never pays, so every step is a
 plain step chosen by the real scheduler: its host price beside plain decoding's (`--drafter none`).
+`--compact-drafting`: tables by which every row drafting always pays: compact's host price when it
+drafts, beside static's (the default verify mode).
 """
 from __future__ import annotations
 
@@ -75,21 +77,42 @@ def force_plain_steps(engine) -> None:
                        tiers=engine.executor.draft_tiers[0.0])
 
 
+def force_drafting_steps(engine) -> None:
+    """Give `engine` (verify_mode compact) a cost scheduler whose tables say every row drafting
+    always pays, by far: a drafting step costs 1 ms (a little more with drafts at batch 1, or the
+    table would be flat and the scheduler static), one that does not draft 2 ms (synthetic; the
+    scheduler's own work per step, when it drafts, is what is timed)."""
+    from ..cost_scheduler import CostScheduler
+    from ..cost_table import CostTable
+    from ..windows import CostWindows
+    R, g = engine.config.max_num_seqs, engine.gamma
+    full = CostTable({**{(1, k): 1e-3 * (1 + 0.05 * k) for k in range(g + 1)},
+                      **{(R, k): 1e-3 for k in (0, R, g * R)}})
+    plain = CostTable({(b, 0): 2e-3 for b in (1, R)})
+    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain,
+                                               plain_hold=engine.config.verify_plain_hold))
+
+
 def host_bench(args) -> dict:
     from .. import LLM
     rows = []
-    if args.compact_plain and args.drafter == "none":
-        raise SystemExit("--compact-plain needs a drafter (not --drafter none)")
-    if args.plain_hold is not None and not args.compact_plain:
-        raise SystemExit("--plain-hold applies to --compact-plain only")
+    compact = args.compact_plain or getattr(args, "compact_drafting", False)
+    if args.compact_plain and getattr(args, "compact_drafting", False):
+        raise SystemExit("--compact-plain and --compact-drafting are two runs")
+    if compact and args.drafter == "none":
+        raise SystemExit("--compact-plain / --compact-drafting need a drafter (not --drafter none)")
+    if args.plain_hold is not None and not compact:
+        raise SystemExit("--plain-hold applies to --compact-plain or --compact-drafting only")
     for batch in args.batches:
-        kw = dict(verify_mode="compact") if args.compact_plain else {}
+        kw = dict(verify_mode="compact") if compact else {}
         if args.plain_hold is not None:
             kw["verify_plain_hold"] = args.plain_hold
         llm = LLM(args.model, drafter_path=args.drafter, max_num_seqs=batch, use_tqdm=False,
                   max_num_batched_tokens=max(2048, batch * 16), cpu_kv_blocks=64 * batch, **kw)
         if args.compact_plain:
             force_plain_steps(llm.engine)
+        elif compact:
+            force_drafting_steps(llm.engine)
         prompts = _prompts(batch, args.prompt_len, llm.engine.model_config.vocab_size)
         reps = [time_phases(llm, prompts, args.steps, args.stop, args.stream_text) for _ in range(args.repeats)]
         row = {k: round(statistics.median(r[k] for r in reps), 3) for k in PHASES}
@@ -101,6 +124,7 @@ def host_bench(args) -> dict:
         del llm
     result = dict(experiment="host ms per decode step by phase (synchronous loop)", rows=rows,
                   model=str(args.model or "default"), drafter=args.drafter, compact_plain=args.compact_plain,
+                  compact_drafting=getattr(args, "compact_drafting", False),
                   plain_hold=args.plain_hold,
                   stop=args.stop, stream_text=args.stream_text,
                   steps=args.steps,
@@ -124,6 +148,9 @@ def add_host_args(p) -> None:
                         "serve.py's engine core and LLM.generate add them, no text in the step)")
     p.add_argument("--compact-plain", action="store_true",
                    help="the cost scheduler choosing plain steps at every step (tables where drafting never pays)")
+    p.add_argument("--compact-drafting", action="store_true",
+                   help="the cost scheduler choosing every row drafting at every step (tables where it always pays)")
     p.add_argument("--plain-hold", type=int, default=None,
-                   help="with --compact-plain: verify_plain_hold (steps a plain choice holds; 1 = choose every step)")
+                   help="with --compact-plain or --compact-drafting: verify_plain_hold (steps a plain choice, or a "
+                        "clear choice of every row drafting, holds; 1 = choose every step)")
     p.add_argument("--out", default=None, help="JSON path")

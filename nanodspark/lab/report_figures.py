@@ -137,6 +137,25 @@ def _host_plain(name: str, machine: str, hardware: str) -> Figure:
                   [{"b": 64}, {"b": 256}])
 
 
+def _host_drafting(name: str, machine: str, hardware: str) -> Figure:
+    """`bench host` by phase where every row drafts: static, compact with a clear choice held (the
+    default) and made every step, from benchmarks/host_drafting_*_{machine}.json."""
+    files = {a: f"benchmarks/host_drafting_{f}_{machine}.json"
+             for a, f in (("s", "static"), ("c", "compact"), ("h", "compact_hold1"))}
+    phases = "schedule / launch less the forward / result / commit"
+    return Figure(name, files,
+                  hardware + "; the default pair, static (full blocks, no scheduler) and the cost scheduler "
+                  "choosing every row drafting at every step (`--compact-drafting`; the clear choice held 8 steps, "
+                  "the default, and made every step), one after the other",
+                  ["batch", f"static: {phases}", "total", f"compact, every row drafting: {phases}", "total",
+                   "the same, choosing every step (`--plain-hold 1`)", "total"],
+                  [["{b}"] + [cell for a in files for cell in (
+                      " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward",
+                                                                              "result", "commit")),
+                      f"<{a}:rows[batch={{b}}].total|.2f>")]],
+                  [{"b": 64}, {"b": 256}])
+
+
 FIGURES = [
     Figure("kernels", {"k": "benchmarks/kernels_h200.json"}, H200 + " (Qwen3-8B attention shape, bf16, pages of 16)",
            ["batch", "context", "q_len", "Triton, graph µs", "% of copy bandwidth (graph)", "SDPA, graph µs",
@@ -455,6 +474,9 @@ FIGURES = [
                 H200 + "; the same on the device machine's host, CUDA graphs (`result` holds the wait for the GPU), "
                 "medians of 12 steps × 3 repeats"),
 
+    _host_drafting("host-drafting-steps", "cpu", "The 2-core CPU of the development machine, torch 2.13.0+cpu; "
+                   "synchronous step, medians of 12 steps × 3 repeats"),
+
     Figure("steady-default-rows", {"s": "benchmarks/steady_state_default_rows_h200.json"},
            H200 + "; the default pair in-process as in the sweep above, the closed loop reading the step's quiet "
            "rows as arrays, one 5 s window per engine after 2 s, one round",
@@ -540,6 +562,19 @@ FIGURES = [
                           f"{{f}}:sweep[mode={m},concurrency={{c}}].accounting.decode_only_steps * 1000|.2f>"
                           for m in ("no-spec", "static", "compact"))]],
            [{"f": f, "name": name, "c": c} for f, name in (("s", "SmolLM2 shapes"), ("d", "default")) for c in (16, 64, 256)]),
+
+    Figure("thesis-default-hold", {"s": "benchmarks/steady_state_default_hold_h200.json"},
+           H200 + "; the default pair in-process, text-free, on its profiles without text (`.carry/probe/"
+           "cost_default_notext.json`), compact holding a clear choice of every row drafting, two rounds in "
+           "rotating order, paired medians (min–max), another call",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
+            "no-spec tok/s, by round", "static-b tok/s, by round"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [" · ".join(f"<runs[mode={m},concurrency={{c}},repeat={i}].total_tok_s|,.0f>" for i in (0, 1))
+               for m in ("no-spec", "static-b")]],
+           [{"c": 64}, {"c": 256}]),
 
     Figure("drift-check", {"d": "benchmarks/drift_check_h200.json"},
            H200 + "; `nanodspark.lab.drift_check`: the default pair in bf16 with CUDA graphs, temperature 1, no "
