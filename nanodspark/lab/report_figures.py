@@ -680,7 +680,8 @@ FIGURES = [
            H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, a batch of decoding requests (random "
            "prompts of 137–200 tokens), the plain step forced (no choice), steps timed in the overlapped loop, the "
            "two engines in 5 alternating rounds of 24 steps (median); device time from 16 profiled steps each; "
-           "both engines' requests then decoded their text every step (the probe's requests no longer do)",
+           "in this file's run both engines' requests decoded their text every step (`plain_probe.py` adds them "
+           "text-free)",
            ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
             "device µs per step: alone · plain", "host ms, launch: alone · plain"],
            [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",
