@@ -36,7 +36,7 @@ Defaults (every function takes them as parameters)
     DEFAULT_LAG = 2              steps between the confidences the budget uses and now (paper 5.2)
     DEFAULT_MIN_GAIN = 0.04      trim only if predicted Theta beats full verify by > 4 % (TRT-LLM's too)
     DEFAULT_SURVIVAL_EPS = 1e-6  lagged survivals below this count as 0 in the budget search
-    DEFAULT_PLAIN_HOLD = 8       steps a plain choice holds while no news can change it (`draft_choice`)
+    DEFAULT_PLAIN_HOLD = 8       steps a plain choice, or a clear one of every row drafting, holds (`draft_choice`)
 The step-cost table is cost_table.py; how it is profiled, lab/profile_stats.py."""
 
 from __future__ import annotations

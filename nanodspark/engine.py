@@ -194,9 +194,11 @@ class LLMEngine:
         # alone (`bench profile-plain`), which prices it a little low
         plain = None
         if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps:
-            plain = next((t for name in (share_name(self.model_name, 0.0), f"{self.model_name} (no drafter)")
-                          if (t := CostTable.load(cfg.cost_table, name, str(self.dtype), self.device.type, ()))
-                          is not None and t.measurements), None)
+            for name in (share_name(self.model_name, 0.0), f"{self.model_name} (no drafter)"):
+                plain = CostTable.load(cfg.cost_table, name, str(self.dtype), self.device.type, ())
+                if plain is not None and plain.measurements:
+                    break
+                plain = None
         # and the profiles of steps where only a share drafts (`bench profile --draft-fraction`), if measured
         shares = {f: CostTable.load(cfg.cost_table, share_name(self.model_name, f), str(self.dtype),
                                     self.device.type, ()) for f in cfg.verify_draft_fractions} if plain else {}

@@ -58,19 +58,24 @@ def time_phases(llm, prompts, steps: int, stop: list[str], stream_text: bool = F
     return {k: statistics.median(r[k] for r in rows) for k in PHASES}
 
 
-def force_plain_steps(engine) -> None:
-    """Give `engine` (verify_mode compact) a cost scheduler whose tables say drafting never pays:
-    a step that drafts costs 10 ms with no drafts verified and 20 ms with full blocks (a table that
-    rises, or the scheduler would take it for flat and verify full blocks), one that does not
-    draft 1 ms, at every batch (synthetic; the scheduler's own work per step is what is timed)."""
+def _use_tables(engine, full: dict, plain: dict) -> None:
+    """Give `engine` (verify_mode compact) a cost scheduler on these synthetic tables."""
     from ..cost_scheduler import CostScheduler
     from ..cost_table import CostTable
     from ..windows import CostWindows
-    R, g = engine.config.max_num_seqs, engine.gamma
-    full = CostTable({(b, k): 0.010 * (1 + k / (g * b)) for b in (1, R) for k in (0, b, g * b)})
-    plain = CostTable({(b, 0): 0.001 for b in (1, R)})
-    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain,
+    engine.windows = CostWindows(CostScheduler(engine.gamma, engine.config.max_num_seqs, "compact", CostTable(full),
+                                               plain_table=CostTable(plain),
                                                plain_hold=engine.config.verify_plain_hold))
+
+
+def force_plain_steps(engine) -> None:
+    """Tables by which drafting never pays: a step that drafts costs 10 ms with no drafts verified
+    and 20 ms with full blocks (a table that rises, or the scheduler would take it for flat and
+    verify full blocks), one that does not draft 1 ms, at every batch (synthetic; the scheduler's
+    own work per step is what is timed)."""
+    R, g = engine.config.max_num_seqs, engine.gamma
+    _use_tables(engine, {(b, k): 0.010 * (1 + k / (g * b)) for b in (1, R) for k in (0, b, g * b)},
+                {(b, 0): 0.001 for b in (1, R)})
     graphs = engine.executor.graphs       # the engine captured no plain step (its tables had none): as it would
     if graphs.use_graphs and 0.0 in engine.executor.draft_tiers:
         graphs.capture([(True, False, 0.0), (False, False, 0.0)], progress=False,
@@ -78,19 +83,14 @@ def force_plain_steps(engine) -> None:
 
 
 def force_drafting_steps(engine) -> None:
-    """Give `engine` (verify_mode compact) a cost scheduler whose tables say every row drafting
-    always pays, by far: a drafting step costs 1 ms (a little more with drafts at batch 1, or the
-    table would be flat and the scheduler static), one that does not draft 2 ms (synthetic; the
-    scheduler's own work per step, when it drafts, is what is timed)."""
-    from ..cost_scheduler import CostScheduler
-    from ..cost_table import CostTable
-    from ..windows import CostWindows
+    """Tables by which every row drafting always pays, by far: a drafting step costs 1 ms (a
+    little more with drafts at batch 1, or the table would be flat and the scheduler static), one
+    that does not draft 2 ms (synthetic; the scheduler's own work per step, when it drafts, is
+    what is timed)."""
     R, g = engine.config.max_num_seqs, engine.gamma
-    full = CostTable({**{(1, k): 1e-3 * (1 + 0.05 * k) for k in range(g + 1)},
-                      **{(R, k): 1e-3 for k in (0, R, g * R)}})
-    plain = CostTable({(b, 0): 2e-3 for b in (1, R)})
-    engine.windows = CostWindows(CostScheduler(g, R, "compact", full, plain_table=plain,
-                                               plain_hold=engine.config.verify_plain_hold))
+    _use_tables(engine, {**{(1, k): 1e-3 * (1 + 0.05 * k) for k in range(g + 1)},
+                         **{(R, k): 1e-3 for k in (0, R, g * R)}},
+                {(b, 0): 2e-3 for b in (1, R)})
 
 
 def host_bench(args) -> dict:

@@ -118,42 +118,39 @@ def _thesis_8b(name: str, law: str, caption: str) -> Figure:
                   [{"c": c} for c in (1, 16, 64, 256)])
 
 
-def _host_plain(name: str, machine: str, hardware: str) -> Figure:
-    """`bench host` by phase: plain decoding, compact's plain steps with the choice held (the
-    default) and made every step (`--plain-hold 1`), from benchmarks/host_plain_*_{machine}.json."""
-    files = {a: f"benchmarks/host_plain_{f}_{machine}.json"
-             for a, f in (("n", "nospec"), ("c", "compact"), ("h", "compact_hold1"))}
+def _host_phases(name: str, kind: str, machine: str, hardware: str, runs, what: str) -> Figure:
+    """`bench host` by phase, three runs one after the other: a baseline, the cost scheduler's
+    choice held (the default) and made every step (`--plain-hold 1`), from
+    benchmarks/host_{kind}_{file}_{machine}.json; `runs`: (alias, file, column label) each."""
+    files = {a: f"benchmarks/host_{kind}_{f}_{machine}.json" for a, f, _ in runs}
     phases = "schedule / launch less the forward / result / commit"
-    return Figure(name, files,
-                  hardware + "; plain decoding (`--drafter none`) and the cost scheduler choosing a plain step at "
-                  "every step (`--compact-plain`; the choice held 8 steps, the default, and made every step), one "
-                  "after the other",
-                  ["batch", f"plain decoding: {phases}", "total", f"compact, plain steps: {phases}", "total",
-                   "the same, choosing every step (`--plain-hold 1`)", "total"],
+    head = ["batch"] + [h for _, _, label in runs for h in (label.format(phases=phases), "total")]
+    return Figure(name, files, hardware + "; " + what, head,
                   [["{b}"] + [cell for a in files for cell in (
                       " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward",
                                                                               "result", "commit")),
                       f"<{a}:rows[batch={{b}}].total|.2f>")]],
                   [{"b": 64}, {"b": 256}])
+
+
+def _host_plain(name: str, machine: str, hardware: str) -> Figure:
+    """Plain decoding beside compact's plain steps (`--compact-plain`)."""
+    return _host_phases(name, "plain", machine, hardware,
+                        (("n", "nospec", "plain decoding: {phases}"), ("c", "compact", "compact, plain steps: {phases}"),
+                         ("h", "compact_hold1", "the same, choosing every step (`--plain-hold 1`)")),
+                        "plain decoding (`--drafter none`) and the cost scheduler choosing a plain step at every step "
+                        "(`--compact-plain`; the choice held 8 steps, the default, and made every step), one after "
+                        "the other")
 
 
 def _host_drafting(name: str, machine: str, hardware: str) -> Figure:
-    """`bench host` by phase where every row drafts: static, compact with a clear choice held (the
-    default) and made every step, from benchmarks/host_drafting_*_{machine}.json."""
-    files = {a: f"benchmarks/host_drafting_{f}_{machine}.json"
-             for a, f in (("s", "static"), ("c", "compact"), ("h", "compact_hold1"))}
-    phases = "schedule / launch less the forward / result / commit"
-    return Figure(name, files,
-                  hardware + "; the default pair, static (full blocks, no scheduler) and the cost scheduler "
-                  "choosing every row drafting at every step (`--compact-drafting`; the clear choice held 8 steps, "
-                  "the default, and made every step), one after the other",
-                  ["batch", f"static: {phases}", "total", f"compact, every row drafting: {phases}", "total",
-                   "the same, choosing every step (`--plain-hold 1`)", "total"],
-                  [["{b}"] + [cell for a in files for cell in (
-                      " / ".join(f"<{a}:rows[batch={{b}}].{k}|.2f>" for k in ("schedule", "launch_less_forward",
-                                                                              "result", "commit")),
-                      f"<{a}:rows[batch={{b}}].total|.2f>")]],
-                  [{"b": 64}, {"b": 256}])
+    """Static beside compact with every row drafting (`--compact-drafting`)."""
+    return _host_phases(name, "drafting", machine, hardware,
+                        (("s", "static", "static: {phases}"), ("c", "compact", "compact, every row drafting: {phases}"),
+                         ("h", "compact_hold1", "the same, choosing every step (`--plain-hold 1`)")),
+                        "the default pair, static (full blocks, no scheduler) and the cost scheduler choosing every "
+                        "row drafting at every step (`--compact-drafting`; the clear choice held 8 steps, the default, "
+                        "and made every step), one after the other")
 
 
 FIGURES = [
