@@ -131,7 +131,8 @@ class SpecStep:
                 if d.probs is not None:
                     draft_probs = torch.cat([d.probs, d.probs.new_zeros(R - D, *d.probs.shape[1:])])
             if self.synthetic is not None:          # the law's rate is each draft's calibrated confidence
-                rate = self.synthetic.rates(st.seed[b.slots])[:, None].expand(R, g)
+                law_rate = self.synthetic.rates(st.seed[b.slots])
+                rate = law_rate[:, None].expand(R, g)
                 conf, conf_logits = rate.contiguous(), torch.logit(rate)
         # the rows that drafted: ceil(draft * requests), as the host counted them (float64 on both
         # sides); a padded tier's drafter pass may have run for a few more, whose drafts are dropped
@@ -179,7 +180,7 @@ class SpecStep:
             verdict = dataclasses.replace(v, tokens=torch.cat([v.tokens, drafts], 1))
         elif self.synthetic is not None:
             verdict = self.synthetic.verdict(drafts, logits, row_index.clamp(0, tokens_tier - 1), st.seed[b.slots],
-                                             anchor_pos, verified, cap)
+                                             anchor_pos, verified, cap, law_rate)
         else:
             verdict = verify_batch(drafts, draft_probs, logits, row_index.clamp(0, tokens_tier - 1), samp,
                                    anchor_pos, verified, cap, greedy_only, self.coupled)

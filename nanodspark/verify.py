@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from .sampling import (GREEDY_BELOW, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SYNTHETIC, STREAM_TARGET,
-                       SamplingTensors, gumbel_argmax, probs_from_logits, uniforms)
+                       SamplingTensors, _M32, _mix32, _to_uniform, gumbel_argmax, probs_from_logits, uniforms)
 
 
 class VerifyMode(Enum):
@@ -263,6 +263,12 @@ def _verdict(drafts, m, m_full, nxt) -> BatchVerdict:
     return BatchVerdict(torch.where(k <= m[:, None], tokens, 0), m, m_full)
 
 
+def _law_key(seed: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per request of `SyntheticAcceptance` (int64 [R]): its seed and the law's stream."""
+    seed = seed.long()
+    return _mix32((seed & _M32) ^ ((((seed >> 32) & _M32) * 0x61C88647) & _M32) ^ ((STREAM_SYNTHETIC * 0x85EBCA6B) & _M32))
+
+
 @dataclass(frozen=True)
 class SyntheticAcceptance:
     """A benchmark's acceptance law (`EngineConfig.synthetic_acceptance = "LO:HI"`), random weights only.
@@ -288,8 +294,10 @@ class SyntheticAcceptance:
 
     def rates(self, seed: torch.Tensor) -> torch.Tensor:
         """alpha per request [R] (float32), a function of its seed alone."""
-        u = uniforms(seed, torch.zeros_like(seed), STREAM_SYNTHETIC)
-        return self.lo + (self.hi - self.lo) * u
+        return self._rate(_law_key(seed))
+
+    def _rate(self, key: torch.Tensor) -> torch.Tensor:
+        return self.lo + (self.hi - self.lo) * _to_uniform(_mix32(key))
 
     def expected_tau(self, gamma: int) -> float:
         """Tokens a full block commits per verify step, over the steps of requests of one length:
@@ -300,14 +308,22 @@ class SyntheticAcceptance:
         return float(1 / np.mean(1 / tau))
 
     def verdict(self, drafts: torch.Tensor, logits: torch.Tensor, row_index: torch.Tensor, seed: torch.Tensor,
-                anchor_pos: torch.Tensor, verified: torch.Tensor, cap: torch.Tensor) -> BatchVerdict:
+                anchor_pos: torch.Tensor, verified: torch.Tensor, cap: torch.Tensor,
+                rate: torch.Tensor | None = None) -> BatchVerdict:
         """`verify_batch`'s result under this law: draft k accepted iff its uniform < alpha (inside
-        the window); the next token is the target's argmax after the accepted drafts."""
+        the window; `rate`: `rates(seed)` if the caller has it); the next token is the target's
+        argmax after the accepted drafts. The noise is keyed by (seed, position, anchor) in two
+        hash rounds: the law stands in for a greedy verify, which draws no noise at all, so its
+        price inside every drafting step must stay near that one's (the sampler's
+        `noise_key` would cost some 240 small kernels a step)."""
         R, g = drafts.shape
         k = torch.arange(g, device=drafts.device)
-        pos = (anchor_pos[:, None] + 1 + k).reshape(-1)                  # each draft's position
-        u = uniforms(seed.repeat_interleave(g), pos, STREAM_SYNTHETIC, anchor_pos.repeat_interleave(g)).reshape(R, g)
-        ok = (u < self.rates(seed)[:, None]) & (k[None, :] < verified[:, None])
+        key = _law_key(seed)
+        rate = self._rate(key) if rate is None else rate
+        pos = anchor_pos[:, None] + 1 + k[None, :]                      # each draft's position
+        h = _mix32(key[:, None] ^ ((pos * 0x165667B1) & _M32))
+        u = _to_uniform(_mix32(h ^ ((anchor_pos[:, None] * 0x27D4EB2F) & _M32)))
+        ok = (u < rate[:, None]) & (k[None, :] < verified[:, None])
         m_full = ok.long().cumprod(1).sum(1)
         m = torch.minimum(m_full, cap)
         nxt = logits.argmax(-1)[row_index].gather(1, m[:, None])[:, 0]

@@ -47,7 +47,7 @@ FIGURES = [
                ("default pair", "SmolLM2-135M pair", "SmolLM2-135M shapes, synthetic acceptance, tau 1.8",
                 "Qwen3-8B shape, synthetic acceptance, tau 3.1",
                 "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17", "Qwen3-30B-A3B shape, tau 3.21"),
-               ("benchmarks/steady_state_smollm2_h200.json", "benchmarks/steady_state_smollm2_shape_h200.json",
+               ("benchmarks/steady_state_smollm2_h200.json", "benchmarks/steady_state_smollm2_shape_law_rounds_h200.json",
                 "benchmarks/steady_state_qwen3_8b_law0.475-0.97_h200.json")),
 ]
 RECORDS = "benchmarks/drafter/calibration_records.safetensors"

@@ -540,6 +540,46 @@ FIGURES = [
                f"<{_DEC.format(m='static')} * 1000|.2f>"]],
            [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
+    Figure("law-price", {"o": "benchmarks/served_probe_smollm2_16_noise_law_h200.json",
+                         "n": "benchmarks/served_probe_smollm2_16_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS) at concurrency 16: each system in the engine's closed loop "
+           "(text-free), 40 steady-state steps under torch.profiler, and the profile's own step (a fixed batch of "
+           "16, full blocks, no law, nothing committed) in the same call; two calls, the first with the law drawing "
+           "the sampler's keyed noise, the second with the law of `verify.py`; device µs are the sums of the kernels "
+           "per step (the first file's sum also holds the `launch` marker's span, subtracted here)",
+           ["system", "device µs per step: keyed-noise law", "the law of verify.py", "kernels per step: keyed-noise "
+            "law · the law of verify.py", "decode-only ms per step, served: keyed-noise law · the law of verify.py"],
+           [["{label}", "<o:systems.{sys}.device_us - o:systems.{sys}.top_kernels[0=launch].1|,.0f>",
+             "<n:systems.{sys}.device_us|,.0f>", "<o:systems.{sys}.kernels|.0f> · <n:systems.{sys}.kernels|.0f>",
+             "{served}"]],
+           [{"sys": k, "label": label,
+             "served": (f"<o:systems.{k}.decode_only_ms|.2f> · <n:systems.{k}.decode_only_ms|.2f>"
+                        if k != "profile's step" else "–")}
+            for k, label in (("no-spec", "no-spec, served"), ("static, served", "static, served (law 0.3–0.6)"),
+                             ("static, served, law 0:0", "static, served (law 0:0, nothing accepted)"),
+                             ("profile's step", "the profile's step (every row drafting, no law)"))]),
+
+    Figure("thesis-smollm2-shape-law", {"s": "benchmarks/steady_state_smollm2_shape_law_rounds_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6 at the price of verify.py's law), "
+           "in-process, text-free, closed loop, mix workload, greedy, prefix cache off, on the shapes' four profiles "
+           "(`.carry/smol/cost_new.json` is `benchmarks/cost_table_smollm2_shape_h200.json`), two rounds in rotating "
+           "order, paired medians (min–max)",
+           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact / static", "A/A: static-b / static", "compact: plain steps / steps"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
+            + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+               f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+               for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
+           [{"c": c} for c in (1, 16, 64, 128, 256)]),
+
+    _simulator_check("simulator-check-smollm2-shape-law", "smollm2_shape_law",
+                     "`bench simulate` on a CPU, from the SmolLM2 shapes' four H200 profiles, the static traces of a "
+                     "one-round sweep under verify.py's law (recorded in it, `benchmarks/steady_state_smollm2_shape_"
+                     "law_h200.json`, a call before the two-round one) and the overheads fitted to that sweep per "
+                     "whole run; the last column fits them on the other four concurrencies only; measured: that sweep",
+                     held_out=True, concurrencies=(1, 16, 64, 128, 256)),
+
     Figure("thesis-textfree", {"s": "benchmarks/steady_state_smollm2_shape_textfree_h200.json",
                                "d": "benchmarks/steady_state_default_textfree_h200.json"},
            H200 + "; both pairs in-process with the engines text-free, as `serve.py`'s engine core runs them (no "
@@ -673,19 +713,20 @@ FIGURES = [
              "<{f}:idle.target alone.idle_us_per_step|.0f> · <{f}:idle.compact, plain step.idle_us_per_step|.0f>"]],
            [{"b": 128, "f": "a"}, {"b": 256, "f": "b"}]),
 
-    Figure("plain-probe-smollm2", {"b": "benchmarks/plain_probe_smollm2_256_h200.json"},
+    Figure("plain-probe-smollm2", {"a": "benchmarks/plain_probe_smollm2_128_h200.json",
+                                   "b": "benchmarks/plain_probe_smollm2_256_h200.json"},
            H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, a batch of decoding requests (random "
            "prompts of 137–200 tokens), the plain step forced (no choice), steps timed in the overlapped loop, the "
-           "two engines in 5 alternating rounds of 24 steps (median); device time from 16 profiled steps each; "
-           "in this file's run both engines' requests decoded their text every step (`plain_probe.py` adds them "
-           "text-free)",
+           "two engines in 5 alternating rounds of 24 steps at 256, 3 at 128 (median); device time from 16 profiled "
+           "steps each; in the run at 256 both engines' requests decoded their text every step, at 128 none did "
+           "(`plain_probe.py` adds them text-free)",
            ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
             "device µs per step: alone · plain", "host ms, launch: alone · plain"],
            [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",
              "<{f}:step_ms.compact, plain step.median / {f}:step_ms.target alone.median|.3f>",
              "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f>",
              "<{f}:host_ms_per_step.target alone.launch|.2f> · <{f}:host_ms_per_step.compact, plain step.launch|.2f>"]],
-           [{"b": 256, "f": "b"}]),
+           [{"b": 128, "f": "a"}, {"b": 256, "f": "b"}]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
