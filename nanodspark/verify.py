@@ -266,7 +266,8 @@ def _verdict(drafts, m, m_full, nxt) -> BatchVerdict:
 def _law_key(seed: torch.Tensor) -> torch.Tensor:
     """One 32-bit key per request of `SyntheticAcceptance` (int64 [R]): its seed and the law's stream."""
     seed = seed.long()
-    return _mix32((seed & _M32) ^ ((((seed >> 32) & _M32) * 0x61C88647) & _M32) ^ ((STREAM_SYNTHETIC * 0x85EBCA6B) & _M32))
+    hi = (((seed >> 32) & _M32) * 0x61C88647) & _M32
+    return _mix32((seed & _M32) ^ hi ^ ((STREAM_SYNTHETIC * 0x85EBCA6B) & _M32))
 
 
 @dataclass(frozen=True)

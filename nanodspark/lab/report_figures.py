@@ -391,21 +391,6 @@ FIGURES = [
                           for m in ("static", "compact"))]],
            [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 256}]),
 
-    Figure("thesis-smollm2-shape", {"s": "benchmarks/steady_state_smollm2_shape_h200.json"},
-           H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, drafts accepted by a synthetic law "
-           "(rates uniform in 0.3–0.6), in-process, closed loop, mix workload (128 ± 25 % new tokens), greedy, "
-           "prefix cache off, admission in waves, compact on the shape's four profiles timed in the overlapped loop "
-           "without text decoded in the step, earlier in the same call (`benchmarks/cost_table_smollm2_shape_h200.json`, "
-           "commands in its notes), one 5 s window per engine after 2 s, one round",
-           ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
-            "compact / static", "A/A: static-b / static", "compact: plain steps / steps", "accepted / verified, static"],
-           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
-            + [f"<{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/no-spec", "compact/static",
-                                                              "static-b/static")]
-            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>",
-               f"<{_ACC.format(m='static')}.drafts_accepted / {_ACC.format(m='static')}.drafts_verified|.2f>"]],
-           [{"c": 1}, {"c": 16}, {"c": 64}, {"c": 128}, {"c": 256}]),
-
     Figure("prefill-graphs", {"de": "benchmarks/prefill_graphs_ab_default_eager_h200.json",
                               "dg": "benchmarks/prefill_graphs_ab_default_h200.json",
                               "se": "benchmarks/prefill_graphs_ab_smollm2_shape_eager_h200.json",
@@ -420,25 +405,12 @@ FIGURES = [
            [{"p": p, "name": name, "m": m, "c": c} for p, name in (("d", "default"), ("s", "SmolLM2 shapes"))
             for m in ("no-spec", "static") for c in (64, 256)]),
 
-    Figure("thesis-smollm2-shape-clock", {"s": "benchmarks/steady_state_smollm2_shape_clock_h200.json"},
-           H200 + "; as the SmolLM2 shapes' sweep, on its profiles, compact with and without the step clock "
-           "(`verify_step_clock`), two rounds in rotating order, paired medians (min–max), another call "
-           "(`.carry/smol/cost_new.json` is that sweep's cost file, `benchmarks/cost_table_smollm2_shape_h200.json`)",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
-            "step clock / compact", "compact: plain steps / steps"],
-           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static",
-                                 "compact-clock/compact")]
-            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
-           [{"c": 16}, {"c": 64}, {"c": 256}]),
-
     Figure("profile-against-served-smollm2-shape", {"t": "benchmarks/cost_table_smollm2_shape_h200.json",
-                                                    "s": "benchmarks/steady_state_smollm2_shape_h200.json"},
+                                                    "s": "benchmarks/steady_state_smollm2_shape_law_h200.json"},
            H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS): each kind of step as its profile prices it (the table, "
            "timed in the overlapped loop, no text in the step, context 256) and as the sweep's decode-only steps "
-           "cost at that concurrency (its accounting: their seconds over their count; under the law 0.3–0.6, drafts "
-           "committed); a dash where the sweep ran no step of that kind",
+           "cost at that concurrency in the one-round sweep under verify.py's law (its accounting: their seconds over "
+           "their count; drafts committed at the law's rate); a dash where the sweep ran no step of that kind",
            ["batch", "every row drafting: profile, full blocks", "static: served", "served / profile",
             "plain step of the speculative engine: profile (draft 0)", "compact's plain step: served",
             "the target alone: profile", "no-spec: served", "served / profile"],
@@ -516,13 +488,6 @@ FIGURES = [
                      "speculation is priced at K = 0 of the speculative table, which still holds the drafter's pass), "
                      "the static traces of its sweep and the overheads fitted to that sweep; measured: that sweep"),
 
-    _simulator_check("simulator-check-smollm2-shape", "smollm2_shape",
-                     "`bench simulate` on a CPU, from the SmolLM2 shapes' H200 profiles of the sweep above (every row "
-                     "drafting, the plain step of the speculative engine, the partial step of a quarter, the target "
-                     "alone), the static traces of that sweep at each concurrency and the overheads fitted to it per "
-                     "whole run; the last column fits them on the other four concurrencies only; measured: that sweep",
-                     held_out=True, concurrencies=(1, 16, 64, 128, 256)),
-
     _profile("cost-profile-default-notext", "benchmarks/cost_table_default_notext_h200.json", 5,
              H200 + "; the default pair, whole steps timed in the overlapped loop with CUDA graphs, no text decoded "
                     "in the step (as serving adds requests), context 256, mix prompts, 2 rounds; the first of the "
@@ -573,6 +538,19 @@ FIGURES = [
             + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
            [{"c": c} for c in (1, 16, 64, 128, 256)]),
 
+    Figure("thesis-smollm2-shape-law-clock", {"s": "benchmarks/steady_state_smollm2_shape_law_clock_h200.json"},
+           H200 + "; as the two-round sweep above, compact with and without the step clock (`verify_step_clock`), "
+           "two rounds in rotating order, paired medians (min–max), another call; plain steps / steps of each of "
+           "the clock's two runs",
+           ["concurrency", "static / no-spec", "compact / no-spec", "step clock / no-spec", "step clock / compact",
+            "step clock: plain steps / steps, by round"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact-clock/no-spec", "compact-clock/compact")]
+            + [" · ".join(f"<runs[mode=compact-clock,concurrency={{c}},repeat={i}].accounting.plain_steps|.0f> / "
+                          f"<runs[mode=compact-clock,concurrency={{c}},repeat={i}].accounting.steps|.0f>" for i in (0, 1))]],
+           [{"c": c} for c in (16, 64, 128)]),
+
     _simulator_check("simulator-check-smollm2-shape-law", "smollm2_shape_law",
                      "`bench simulate` on a CPU, from the SmolLM2 shapes' four H200 profiles, the static traces of a "
                      "one-round sweep under verify.py's law (recorded in it, `benchmarks/steady_state_smollm2_shape_"
@@ -586,7 +564,7 @@ FIGURES = [
            "text decoded in the step, not even at a request's finish), on the profiles above (carried as "
            "`.carry/smol/cost_new.json` and `.carry/probe/cost_default_notext.json`), one 5 s window per engine "
            "after 2 s, one round, both sweeps in one call; the SmolLM2 shapes with RANDOM WEIGHTS and the law "
-           "0.3–0.6",
+           "0.3–0.6 drawing the sampler's keyed noise (its drafting steps about 0.2 ms dearer than under verify.py's law)",
            ["pair", "concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec",
             "compact / no-spec", "compact / static", "A/A: static-b / static", "compact: plain steps / steps",
             "ms per decode-only step: no-spec · static · compact"],
