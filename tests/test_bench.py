@@ -429,3 +429,11 @@ def test_whole_step_profile_in_the_overlapped_loop(tiny_dir, tmp_path):
     run.close()
     assert eng.in_flight is None and not eng.has_unfinished() and eng.windows is policy
     assert eng.overlap == own_loop and all(u["used"] == 0 for u in eng.kv_usage().values())
+
+
+def test_union_length_counts_overlapping_kernels_once():
+    """GPU busy time is the union of the kernels' intervals: overlaps and nesting count once,
+    gaps not at all, in any order."""
+    from nanodspark.lab.bench_speed import union_length
+    assert union_length([(5, 7), (0, 2), (1, 3), (6, 6.5), (10, 11)]) == 3 + 2 + 1
+    assert union_length([]) == 0.0

@@ -133,6 +133,17 @@ def _finish(llm, reqs):
         eng.release(r.request_id)
 
 
+def union_length(intervals) -> float:
+    """The length of the union of (start, end) intervals: the time a device was busy with any of them."""
+    busy, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            busy, end = busy + e - s, e
+        elif e > end:
+            busy, end = busy + e - end, e
+    return busy
+
+
 def step_profile(llm, prompts, n_steps: int) -> dict:
     """Kernels and launches per decode step (profiler), and the GPU busy / idle share of a step's
     wall time (the wall measured on a separate, unprofiled run of the same steps)."""
@@ -163,16 +174,7 @@ def step_profile(llm, prompts, n_steps: int) -> dict:
         elif e.device_type == DeviceType.CPU and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
                                                            "cuLaunchKernelEx", "cudaLaunchKernelExC"):
             launches += 1
-    kernels.sort()
-    busy, end = 0.0, None
-    for s, e in kernels:                      # union of the kernels' intervals (us)
-        if end is None or s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    busy_s = busy * 1e-6 / n_steps
+    busy_s = union_length(kernels) * 1e-6 / n_steps
     return {"step_ms": round(1e3 * wall, 3), "kernels_per_step": round(len(kernels) / n_steps, 1),
             "launches_per_step": round(launches / n_steps, 1), "gpu_ms_per_step": round(1e3 * busy_s, 3),
             "gpu_busy": round(min(1.0, busy_s / wall), 3), "gpu_idle_ms_per_step": round(1e3 * max(0.0, wall - busy_s), 3),

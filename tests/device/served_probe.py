@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from nanodspark import LLM
 from nanodspark.lab.bench_profile import whole_step_runner
 from nanodspark.lab.bench_serve import engine_closed_loop, engine_config, make_workload
-from nanodspark.lab.bench_speed import environment
+from nanodspark.lab.bench_speed import environment, union_length
 from nanodspark.lab.shapes import materialize
 from nanodspark.loader import Tokenizer
 
@@ -53,16 +53,7 @@ def summarize(prof, n: int) -> dict:
             spans.append((e.time_range.start, e.time_range.end))
         elif e.device_type == DeviceType.CPU and e.name in RUNTIME:
             calls[e.name] = calls.get(e.name, 0) + 1 / n
-    spans.sort()
-    busy, end = 0.0, None
-    for s, e in spans:
-        if end is None or s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    return {"kernel_us": by, "device_us": round(sum(by.values()), 1), "busy_us": round(busy / n, 1),
+    return {"kernel_us": by, "device_us": round(sum(by.values()), 1), "busy_us": round(union_length(spans) / n, 1),
             "kernels": round(len(spans) / n, 1), "runtime_calls": {k: round(v, 1) for k, v in calls.items()}}
 
 
