@@ -510,8 +510,9 @@ FIGURES = [
            H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS) at concurrency 16: each system in the engine's closed loop "
            "(text-free), 40 steady-state steps under torch.profiler, and the profile's own step (a fixed batch of "
            "16, full blocks, no law, nothing committed) in the same call; two calls, the first with the law drawing "
-           "the sampler's keyed noise, the second with the law of `verify.py`; device µs are the sums of the kernels "
-           "per step (the first file's sum also holds the `launch` marker's span, subtracted here)",
+           "the sampler's keyed noise, the second with the law of `verify.py` (the no-spec and profile rows run the "
+           "same code in both: their difference is the spread between calls); device µs are the sums of the "
+           "kernels per step (the first file's sum also holds the `launch` marker's span, subtracted here)",
            ["system", "device µs per step: keyed-noise law", "the law of verify.py", "kernels per step: keyed-noise "
             "law · the law of verify.py", "decode-only ms per step, served: keyed-noise law · the law of verify.py"],
            [["{label}", "<o:systems.{sys}.device_us - o:systems.{sys}.top_kernels[0=launch].1|,.0f>",

@@ -30,9 +30,9 @@ from nanodspark.lab.bench_profile import whole_step_runner
 from nanodspark.lab.bench_serve import engine_closed_loop, engine_config, make_workload
 from nanodspark.lab.bench_speed import environment, union_length
 from nanodspark.lab.shapes import materialize
+from nanodspark.lab.timeline import PHASES     # the engine loop's record_function marks, not kernels
 from nanodspark.loader import Tokenizer
 
-PHASES = ("schedule", "launch", "result", "commit")     # the engine loop's record_function marks, not kernels
 RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
            "cudaEventSynchronize")
 
