@@ -45,6 +45,7 @@ class RunningBatch:
         self.text = np.zeros(S, dtype=bool)              # needs text every step (streams, or has stop strings)
         self.decoding = np.zeros(S, dtype=bool)          # in the decode set (scheduler.py)
         self.reserved = np.zeros(S, dtype=np.int64)      # positions every KV group's table covers
+        self.lapsed = np.zeros(S, dtype=bool)            # its drafter context lapsed: publish no more draft blocks
         self.spec = np.zeros((S, len(SPEC)), dtype=np.int64)
         self.out_len = np.zeros(S, dtype=np.int64)
         self.out = np.zeros((S, capacity), dtype=np.int32)
@@ -68,7 +69,7 @@ class RunningBatch:
         self.prompt_len[s], self.limit_len[s] = len(req.prompt_ids), req.limit_len
         self.ignore_eos[s], self.greedy[s], self.truncates[s] = p.ignore_eos, p.greedy, p.truncates
         self.text[s] = req.stream_text or bool(p.stop)
-        self.decoding[s], self.reserved[s] = False, 0
+        self.decoding[s], self.reserved[s], self.lapsed[s] = False, 0, False
         self.spec[s] = [getattr(req._spec, k) for k in SPEC]
         self.out[s, :len(out)] = out
         self.out_len[s] = len(out)

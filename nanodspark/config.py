@@ -455,6 +455,9 @@ class EngineConfig:
                                           "in the cost table's file, says drafting does not pay", "speculation")
     verify_plain_hold: int = knob(8, "compact: steps a plain-step choice holds while the batch does not grow and "
                                      "no drafted confidences arrive (1 = choose at every step)", "speculation")
+    verify_lapse_after: int = knob(16, "compact: plain steps in a row after which a plain step stops feeding the "
+                                       "drafter's context (0 = never); a request that drafts again reads only the "
+                                       "context fed since", "speculation")
     verify_step_clock: bool = knob(False, "compact: correct the step-cost profile by the engine's own step clock "
                                           "(measured over predicted periods of plain and drafting steps) when "
                                           "choosing plain steps", "speculation")
@@ -534,8 +537,9 @@ class EngineConfig:
             raise ValueError("graph_token_fractions must lie in [0, 1]")
         if not all(0 < f < 1 for f in self.verify_draft_fractions):
             raise ValueError("verify_draft_fractions must lie strictly between 0 and 1")
-        if self.verify_min_gain < 0 or self.verify_lag < 1 or self.verify_plain_hold < 1:
-            raise ValueError("verify_min_gain must be >= 0, verify_lag >= 1 and verify_plain_hold >= 1")
+        if self.verify_min_gain < 0 or self.verify_lag < 1 or self.verify_plain_hold < 1 or self.verify_lapse_after < 0:
+            raise ValueError("verify_min_gain must be >= 0, verify_lag >= 1, verify_plain_hold >= 1 and "
+                             "verify_lapse_after >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
             raise ValueError("max_num_seqs must be positive and max_num_batched_tokens positive or 0 (auto)")
         if min(self.num_kv_blocks, self.kv_cache_memory_gb, self.max_model_len, self.max_waiting, self.gamma) < 0:

@@ -22,7 +22,7 @@ c_{r,k+1} through the Markov feature). Two ways, one function each:
       can outrank (r, k), so "window_r >= k" is decided before x_{r,k} matters.
       `CostScheduler.budget` is the host's half of a step, `choose_windows` the device's.
     * partial drafting: `CostScheduler.draft_choice` may let only the requests of largest lagged
-      survival draft (a profiled share of the batch; none: a plain step); lossless by the lag.
+      survival draft (a profiled share; none: a plain step, `lapse_after`); lossless by the lag.
 
 Invariants
     * Cells are ordered by survival descending, then position, then request
@@ -170,6 +170,7 @@ class DraftChoice:
     order: np.ndarray | None  # the plan's rows, the ceil(fraction * R) drafting ones first (None: none draft)
     budget: int              # draft tokens to verify (over the drafting rows)
     predicted: float         # T(R, budget, drafting rows), seconds
+    upkeep: bool = True      # False: a plain step deep in a plain run, the drafter's context lapses
 
 
 class ConfidenceRelay:
@@ -281,7 +282,7 @@ class CostScheduler:
                  cost_table: CostTable | None = None, lag: int = DEFAULT_LAG,
                  min_gain: float = DEFAULT_MIN_GAIN, survival_eps: float = DEFAULT_SURVIVAL_EPS,
                  plain_table: CostTable | None = None, share_tables: dict | None = None,
-                 plain_hold: int = DEFAULT_PLAIN_HOLD, step_clock: bool = False):
+                 plain_hold: int = DEFAULT_PLAIN_HOLD, step_clock: bool = False, lapse_after: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.gamma, self.mode, self.cost_table = gamma, mode, cost_table
@@ -295,6 +296,10 @@ class CostScheduler:
         if plain_hold < 1:
             raise ValueError("plain_hold must be >= 1 (1: choose at every step)")
         self.plain_hold = plain_hold
+        # after this many plain steps in a row, plain steps stop feeding the drafter's context
+        # (0: never): a run that long says the load holds, and upkeep is what a plain step pays
+        # beyond the target's own step; a request that drafts again reads the context fed since
+        self.lapse_after, self._plain_run = lapse_after, 0
         self._held: tuple[int, int] | None = None     # a plain streak's (step it ends, most rows)
         self._all_held: tuple[int, int] | None = None # the same for a clear choice of every row drafting
         # the engine's step clock: per kind (0: plain, 1: every row drafting), decayed sums of
@@ -357,8 +362,9 @@ class CostScheduler:
             return None
         R, g = len(slot_ids), self.gamma
         if self._held is not None and step < self._held[0] and R <= self._held[1]:
-            return DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0]))   # still plain
+            return self._plain(DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0])))  # still plain
         if self._all_held is not None and step < self._all_held[0] and R <= self._all_held[1]:
+            self._plain_run = 0
             return None                                                                 # still every row
         # the profile's prices, corrected by the step clock where it has timed both kinds
         # (`predicted` stays the profile's own: the clock compares against it)
@@ -391,6 +397,16 @@ class CostScheduler:
         plain = choice is not None and choice.fraction == 0.0
         self._held = (step + self.plain_hold, R) if plain else None
         self._all_held = (step + self.plain_hold, R) if clear else None
+        if plain:
+            return self._plain(choice)
+        self._plain_run = 0
+        return choice
+
+    def _plain(self, choice: DraftChoice) -> DraftChoice:
+        """Count a plain step into the run; past `lapse_after` of them it lets the context lapse."""
+        self._plain_run += 1
+        if self.lapse_after and self._plain_run > self.lapse_after:
+            choice.upkeep = False
         return choice
 
     def time_step(self, drafted, seconds: float, predicted: float) -> None:

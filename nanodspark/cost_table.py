@@ -43,6 +43,12 @@ def share_name(model_name: str, fraction: float) -> str:
     return f"{model_name} (draft {fraction:g})"
 
 
+def lapsed_name(model_name: str) -> str:
+    """The model name the table of a plain step that lets the drafter's context lapse is keyed
+    by (`bench profile --draft-fraction 0 --lapse`; speculative.py)."""
+    return f"{model_name} (lapsed)"
+
+
 def share_of(model_name: str) -> float | None:
     """`share_name`'s inverse: the fraction, or None for a table of another kind."""
     head, sep, tail = model_name.rpartition(" (draft ")

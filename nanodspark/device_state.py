@@ -9,7 +9,8 @@ accepts drafts, and the next step reads them there (SGLang's future map indexed 
 slot; vLLM's async scheduling). The host learns them one step late (engine.py `step`).
 
 The host writes only what it decides or knows: a request's sampling parameters, limits and
-sliding-window start when it is admitted, its anchor and length when it becomes decoding
+sliding-window start when it is admitted (its drafter context then starts at 0; a lapsed plain
+step moves `draft_start` on the device, speculative.py), its anchor and length when it becomes decoding
 without a sampling step on the device (its prefill ended one token short of the end, or a
 prefix hit left only the last token), and the block-table entries it allocates. `StateWrites` collects those writes during scheduling
 and `apply` turns them into a few host-to-device copies on the step's stream, so they are ordered
@@ -48,6 +49,7 @@ class DeviceState:
         self.last_token = torch.zeros(S, **z)
         self.limit_len = torch.zeros(S, **z)            # min(prompt + max_tokens, max_model_len)
         self.kv_start = torch.zeros(S, dtype=torch.int32, device=device)
+        self.draft_start = torch.zeros(S, dtype=torch.int32, device=device)   # first drafter context position
         self.temperature = torch.zeros(S, device=device)
         self.top_k = torch.zeros(S, **z)
         self.top_p = torch.ones(S, device=device)
@@ -70,6 +72,7 @@ class DeviceState:
             for name, values in zip(("limit_len", "kv_start", "top_k", "seed", "temperature", "top_p"), cols[1:]):
                 t = getattr(self, name)
                 t[slots] = h2d(values, t.dtype, dev)
+            self.draft_start[slots] = 0          # its prefill feeds the drafter's context from position 0
         if w.anchors:
             s, n, t = (h2d(c, torch.long, dev) for c in zip(*w.anchors))
             self.seq_len[s], self.last_token[s] = n, t

@@ -22,9 +22,10 @@ Three parts, one forward:
    `calibration.fit_sts_shifted` sets them; a checkpoint without `sts_shift` loads with zeros).
    Cumulative survival `a_k = c_1 ... c_k` feeds the cost scheduler.
 
-Invariants: the drafter's context cache holds, for every committed position `p` of a request, the
-injected K/V of the target features at `p`; the anchor's own features are never in it (the
-anchor has not been through the target yet). The embedding and LM head are the target's
+Invariants: the drafter's context cache holds, for every committed position `p` of a request from
+its context start on (0 unless the context lapsed: speculative.py), the injected K/V of the target
+features at `p`, and the block reads no key below that start; the anchor's own features are
+never in it (the anchor has not been through the target yet). The embedding and LM head are the target's
 (frozen, not stored in the drafter checkpoint). `gamma` at serving time equals the trained one.
 Saved as `config.json` + `model.safetensors`, like the target. Walkthrough chapter 05.
 Training runs the same backbone without the paged cache: drafter_training.py. With dummy
@@ -232,14 +233,16 @@ class Drafter(nn.Module):
             ops.kv_norm_rope_store(layer.self_attn, feats, cos, sin, cache[i, 0], cache[i, 1], cache_index)
 
     def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
-                     block_tables: torch.Tensor, block_size: int, ops: Ops = TORCH_OPS) -> torch.Tensor:
+                     block_tables: torch.Tensor, block_size: int, ops: Ops = TORCH_OPS,
+                     kv_start: torch.Tensor | None = None) -> torch.Tensor:
         """The parallel backbone over the blocks `[anchor, mask x (gamma-1)]` of R requests whose
         context is cached below `anchor_pos`: hidden states [R, gamma, H].
 
         The block's own K/V are stored at the cache entries of positions anchor .. anchor + gamma - 1
         (reserved with the verify window; the injection of committed positions overwrites them
         later), and every block query reads all keys below anchor + gamma: the cached context
-        and, bidirectionally, the block itself."""
+        and, bidirectionally, the block itself. `kv_start` (int32 [R], None: 0) is each request's
+        first context position: keys below it are never read (a lapsed context, speculative.py)."""
         # BEGIN STUDENT drafter block-pass
         R, g = anchors.shape[0], self.config.gamma
         dev = anchors.device
@@ -247,7 +250,7 @@ class Drafter(nn.Module):
         ids[:, 0] = anchors
         pos = anchor_pos[:, None] + torch.arange(g, device=dev)[None, :]
         meta = GroupMeta(block_tables, table_cache_index(block_tables, pos, block_size).reshape(-1),
-                         (anchor_pos + g).to(torch.int32))
+                         (anchor_pos + g).to(torch.int32), kv_start)
         cu = (torch.arange(R + 1, device=dev) * g).to(torch.int32)
         ctx = PagedAttentionContext(DraftKV(cache), cu, g, {"draft": meta}, ops, causal=False)
         return self.backbone(ids.reshape(-1), pos.reshape(-1), ctx).view(R, g, -1)
@@ -256,14 +259,14 @@ class Drafter(nn.Module):
     @torch.inference_mode()
     def propose(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, cache: torch.Tensor,
                 block_tables: torch.Tensor, block_size: int, st: SamplingTensors | None,
-                ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT) -> Draft:
+                ops: Ops = TORCH_OPS, stream: int = STREAM_DRAFT, kv_start: torch.Tensor | None = None) -> Draft:
         """One drafting pass for R requests: the parallel backbone (`block_hidden`), then the
         sequential stage, position by position: base logits plus the Markov bias of the previous
         token (the anchor for position 0), the confidence of the position, and its token. Sampling (st; None =
         every request greedy) draws position k with the request's keyed noise on `stream` (DRAFT; TARGET
         for coupled drafts, verify.py) at the position it proposes, anchor + k + 1. No host sync:
-        this runs inside a CUDA graph."""
-        h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops)
+        this runs inside a CUDA graph. `kv_start`: each request's first context position (`block_hidden`)."""
+        h = self.block_hidden(anchors, anchor_pos, cache, block_tables, block_size, ops, kv_start)
         if type(self.lm_head) is nn.Linear:
             base = ops.linear(h.reshape(-1, h.shape[-1]), self.lm_head.weight).float().view(*h.shape[:2], -1)
         else:                                  # a vocab-parallel head gathers its shards itself

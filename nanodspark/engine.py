@@ -167,7 +167,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
-        w.capture(plain_steps=self.plain_steps, shares=self.draft_shares)
+        w.capture(plain_steps=self.plain_steps, shares=self.draft_shares,
+                  lapse=bool(getattr(getattr(self.windows, "scheduler", None), "lapse_after", 0)))
 
     @property
     def plain_steps(self) -> bool:
@@ -181,7 +182,7 @@ class LLMEngine:
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler
-        from .cost_table import CostTable, share_name
+        from .cost_table import CostTable, lapsed_name, share_name
         from .windows import CostWindows, StaticWindows
         cfg = self.config
         if self.drafter is None or not self.verify_mode.trims:
@@ -189,12 +190,14 @@ class LLMEngine:
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
         # a plain step's price, if the same file holds one: then compact may run a plain step where
-        # drafting does not pay at all. This engine's own plain step (`bench profile
-        # --draft-fraction 0`: it still keeps the drafter's context) if profiled, else the target
-        # alone (`bench profile-plain`), which prices it a little low
+        # drafting does not pay at all. First the plain step that lets the drafter's context lapse
+        # (`bench profile --draft-fraction 0 --lapse`), what a run of them costs, where plain steps
+        # may (`verify_lapse_after`); then this engine's own plain step (`--draft-fraction 0`: it
+        # keeps the drafter's context); else the target alone (`bench profile-plain`)
         plain = None
         if cfg.cost_table and cfg.verify_mode == "compact" and cfg.verify_plain_steps:
-            for name in (share_name(self.model_name, 0.0), f"{self.model_name} (no drafter)"):
+            names = [share_name(self.model_name, 0.0), f"{self.model_name} (no drafter)"]
+            for name in [lapsed_name(self.model_name)] * bool(cfg.verify_lapse_after) + names:
                 plain = CostTable.load(cfg.cost_table, name, str(self.dtype), self.device.type, ())
                 if plain is not None and plain.measurements:
                     break
@@ -205,7 +208,7 @@ class LLMEngine:
         return CostWindows(CostScheduler(self.gamma, cfg.max_num_seqs, mode=cfg.verify_mode, cost_table=table,
                                          lag=cfg.verify_lag, min_gain=cfg.verify_min_gain, plain_table=plain,
                                          share_tables=shares, plain_hold=cfg.verify_plain_hold,
-                                         step_clock=cfg.verify_step_clock))
+                                         step_clock=cfg.verify_step_clock, lapse_after=cfg.verify_lapse_after))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -340,6 +343,8 @@ class LLMEngine:
             if plan.windows.order is not None:       # the rows that draft go first (speculative.py)
                 dec = plan.decode_slots = dec[plan.windows.order]
                 plan.decode_generations = b.generation[dec]
+            if not plan.windows.upkeep:              # their drafter contexts now have holes
+                b.lapsed[dec] = True
             for req in sched.joined:         # it became decoding on the host (prompt or prefix hit)
                 if not req.device_anchor:
                     w.anchors.append((req.slot, req.num_computed, req.last_id))

@@ -217,6 +217,8 @@ class Scheduler:
             bm = self.managers[g]
             if g == "sliding":
                 bm.release_outside_window(t, self.window_kept, min(req.num_computed, req.num_tokens))
+            elif g == "draft" and self.batch.lapsed[req.slot]:
+                continue                                # holes in its drafter context: nothing to share
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 if req.num_computed - start >= bs:

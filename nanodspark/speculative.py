@@ -11,14 +11,18 @@ drafter's context cache. The step returns `DecodeOut` (device tensors); the engi
 the host once and applies it. Plain decoding is the same step with gamma = 0 and no drafter.
 The cost scheduler may let only the first ceil(draft * R) rows run the drafter's pass (`draft`
 < 1, its most confident requests first; 0: a plain step): the others verify no draft, but every
-committed row's features are injected, so any request can draft again the next step.
+committed row's features are injected, so any request can draft again the next step. After a
+long run of plain steps it may also let the context *lapse* (`upkeep=False`, a plain step only):
+no features captured or injected, a plain step at the target's own price, and each request's
+`draft_start` moves past the step's token, so a request that drafts again reads only the context
+fed since (lossless either way: verification decides; only acceptance can suffer).
 
 Because nothing in here reads a device value on the host, the whole step can be captured in a
 CUDA graph (ragged_graphs.py) and the next step can be launched before this one's result has
 reached the host (engine.py `step`).
 
 Invariants: a request's `seq_len` advances by exactly the rows whose KV is now valid (anchor +
-accepted drafts); the drafter's context covers exactly the committed positions; a window never
+accepted drafts); the drafter's context covers exactly the committed positions from `draft_start` on; a window never
 lets a request run past its limit (`limit_len`: max_tokens or max_model_len); a padding row
 (the scratch slot, or a request already at its limit) computes nothing that is kept.
 """
@@ -108,7 +112,7 @@ class SpecStep:
 
     @torch.inference_mode()
     def __call__(self, b: DecodeBatch, tokens_tier: int, greedy_only: bool, truncates: bool,
-                 draft: float = 1.0) -> DecodeOut:
+                 draft: float = 1.0, upkeep: bool = True) -> DecodeOut:
         st, g, R = self.state, self.gamma, b.slots.shape[0]
         dev = b.slots.device
         anchors, anchor_pos = st.last_token[b.slots], st.seq_len[b.slots]
@@ -117,13 +121,14 @@ class SpecStep:
         samp = None if greedy_only else st.sampling(b.slots, truncates)
         # draft: the first D rows (all of them, some, or none: a plain step); D is the tier's, static
         D = min(R, math.ceil(draft * R)) if self.drafter is not None else 0
+        upkeep = upkeep or D > 0                    # only a plain step may let the context lapse
         drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
         draft_probs, conf, conf_logits = None, torch.zeros(R, g, device=dev), torch.zeros(R, g, device=dev)
         if D:
             sl = slice(0, D)
             d = self.drafter.propose(anchors[sl], anchor_pos[sl], self.draft_cache, st.tables["draft"][b.slots[sl]],
                                      self.block_size, None if samp is None else samp.rows(sl), self.ops,
-                                     STREAM_TARGET if self.coupled else STREAM_DRAFT)
+                                     STREAM_TARGET if self.coupled else STREAM_DRAFT, st.draft_start[b.slots[sl]])
             if D == R:
                 drafts, draft_probs, conf, conf_logits = d.tokens, d.probs, d.confidence.float(), d.conf_logits.float()
             else:                        # the other rows: no draft, confidence 0 (no window under top-K)
@@ -168,7 +173,7 @@ class SpecStep:
             groups[name] = GroupMeta(bt, torch.where(lay.row_valid, kv_index, -1), kv_lens,
                                      st.kv_start[b.slots] if name == "sliding" else None)
         ctx = PagedAttentionContext(self.kv_cache, lay.cu_seqlens, 1 + g if D else 1, groups, self.ops, tp=self.tp)
-        out = self.model(ids, pos, ctx, self.capture)
+        out = self.model(ids, pos, ctx, self.capture if upkeep else ())
         logits = self.model.compute_logits(out.hidden, self.ops)
         row_index = (lay.cu_seqlens[:-1, None].long()
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
@@ -189,9 +194,11 @@ class SpecStep:
         bonus = verdict.tokens.gather(1, verdict.accepted[:, None])[:, 0]
         st.last_token[b.slots] = torch.where(active, bonus, anchors)
         st.seq_len[b.slots] = anchor_pos + count
-        if self.drafter is not None:     # context K/V of the committed positions
+        if self.drafter is not None and upkeep:     # context K/V of the committed positions
             committed = lay.row_valid & (lay.row_off < count[lay.row_req])
             kv_index = row_cache_index(st.tables["draft"][b.slots], lay.row_req, pos, self.block_size)
             self.drafter.inject(out.captured, pos, torch.where(committed, kv_index, -1), self.draft_cache, self.ops)
+        elif self.drafter is not None:   # lapsed: the context starts again after this step's tokens
+            st.draft_start[b.slots] = torch.where(active, st.seq_len[b.slots], st.draft_start[b.slots]).int()
         return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, drafted.long(),
                          conf, conf_logits)

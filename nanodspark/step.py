@@ -39,6 +39,7 @@ class WindowPlan:
     predicted_step_time: float = float("nan")
     draft: float = 1.0                # the share of rows that run the drafter's pass (0: a plain step)
     order: np.ndarray | None = None   # the rows in launch order, the drafting ones first (None: as planned)
+    upkeep: bool = True               # False: a plain step that lets the drafter's context lapse
 
 
 @dataclass
@@ -156,13 +157,17 @@ class Executor:
         self.no_samples = torch.zeros(0, dtype=torch.long, device=device)     # a step without prefill
         self._tier_of: dict[tuple, tuple[int, int]] = {}                    # (requests, tokens, draft) -> tier
 
-    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool, draft: float = 1.0):
-        return self.spec(batch, tokens, greedy_only, truncates, draft).pack()
+    def _decode(self, batch: DecodeBatch, tokens: int, greedy_only: bool, truncates: bool, draft: float = 1.0,
+                upkeep: bool = True):
+        return self.spec(batch, tokens, greedy_only, truncates, draft, upkeep).pack()
 
     def variant(self, plan: StepPlan) -> tuple:
-        """The graph variant of a plan: the sampling code it needs, and its share of drafting rows."""
-        d = plan.windows.draft
-        return (plan.greedy_only, plan.truncates) if d == 1.0 else (plan.greedy_only, plan.truncates, d)
+        """The graph variant of a plan: the sampling code it needs, its share of drafting rows, and
+        (a plain step only) whether it lets the drafter's context lapse."""
+        w = plan.windows
+        if w.draft == 1.0:
+            return plan.greedy_only, plan.truncates
+        return (plan.greedy_only, plan.truncates, w.draft) + (() if w.upkeep else (False,))
 
     def tokens_needed(self, plan: StepPlan) -> int:
         """Verify rows of the decode batch, an upper bound known on the host."""

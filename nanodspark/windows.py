@@ -50,7 +50,7 @@ class CostWindows(WindowPolicy):
         c = self.scheduler.draft_choice(rows.slots, rows.generations, step)
         if c is not None:                       # some rows (none: a plain step) skip the drafter's pass
             return WindowPlan(c.budget, True, None, c.predicted, draft=c.fraction,
-                              order=c.order if c.fraction > 0 else None)
+                              order=c.order if c.fraction > 0 else None, upkeep=c.upkeep)
         budget, trim, predicted = self.scheduler.budget(rows.slots, rows.generations, step)
         return WindowPlan(budget, trim, None, predicted)
 

@@ -95,10 +95,10 @@ class Worker:
                                  cfg.graph_batch_sizes, cfg.graph_token_fractions,
                                  cfg.verify_draft_fractions if cfg.verify_plain_steps else ())
 
-    def capture(self, plain_steps: bool = False, shares=()) -> None:
+    def capture(self, plain_steps: bool = False, shares=(), lapse: bool = False) -> None:
         """Tune the skinny GEMMs, then capture the decode step's graphs (CUDA only); with
-        `plain_steps` also the plain step (one row per request) and the steps where only a
-        share of the rows drafts (`shares`)."""
+        `plain_steps` also the plain step (one row per request; with `lapse` also the one that
+        lets the drafter's context lapse) and the steps where only a share of the rows drafts (`shares`)."""
         if self.device.type == "cuda" and self.backend == "triton":
             self._tune_gemms()
         g = self.executor.graphs
@@ -107,6 +107,9 @@ class Worker:
             for f, tiers in self.executor.draft_tiers.items():
                 if plain_steps and (f == 0.0 or f in shares):
                     g.capture([(True, False, f), (False, False, f)], progress=self.config.use_tqdm, tiers=tiers)
+                if plain_steps and lapse and f == 0.0:
+                    g.capture([(True, False, f, False), (False, False, f, False)], progress=self.config.use_tqdm,
+                              tiers=tiers)
 
     def _tune_gemms(self) -> None:
         """Record the GEMM shapes of every decode tier and let the skinny kernel take those it

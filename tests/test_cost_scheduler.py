@@ -562,6 +562,29 @@ def test_a_plain_choice_holds_until_the_batch_grows_or_drafted_confidences_arriv
         CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=0)
 
 
+def test_a_long_plain_run_lets_the_drafters_context_lapse_and_drafting_ends_the_run():
+    """Plain steps keep feeding the drafter's context for `lapse_after` steps in a row, held or
+    chosen afresh; every plain step after them lets it lapse (upkeep False) until a choice that
+    drafts ends the run; lapse_after=0 never lapses. Only plain steps lapse."""
+    spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
+    cheap = CostTable({(b, 0): 1e-3 for b in (1, 8)})
+    dear = CostTable({(b, 0): 2.5e-3 for b in (1, 8)})
+    s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=2, lapse_after=3)
+    s.record(0, range(8), range(8), np.full((8, 4), 0.5, np.float32))
+    got = [s.draft_choice(range(8), range(8), step=n) for n in range(2, 8)]
+    assert [c.fraction for c in got] == [0.0] * 6
+    assert [c.upkeep for c in got] == [True, True, True, False, False, False]
+    s.plain_table = dear                          # drafting pays again: the run ends there
+    s.record(7, range(8), range(8), np.full((8, 4), 0.9, np.float32))
+    assert s.draft_choice(range(8), range(8), step=9) is None
+    s.plain_table = cheap
+    s.record(9, range(8), range(8), np.full((8, 4), 0.5, np.float32))
+    assert s.draft_choice(range(8), range(8), step=11).upkeep      # a new run keeps it again
+    never = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=1)
+    never.record(0, range(8), range(8), np.full((8, 4), 0.5, np.float32))
+    assert all(never.draft_choice(range(8), range(8), step=n).upkeep for n in range(2, 40))
+
+
 def test_a_clear_choice_of_every_row_drafting_holds_until_the_batch_grows(monkeypatch):
     """Every row drafting, chosen by more than min_gain over each alternative, holds `plain_hold`
     steps without reading the relay, whatever confidences arrive meanwhile; a bigger batch or the
@@ -704,10 +727,11 @@ def test_a_request_without_lagged_confidences_counts_as_the_mean_when_choosing_w
     assert np.allclose(relay.lagged_np([2], [1], step=0, prior=True), [np.cumprod(relay.mean)])
 
 
-def test_the_engine_prices_its_plain_step_by_its_own_profile_when_the_file_holds_one(tmp_path):
-    """A cost file may hold the target alone ("(no drafter)") and this engine's own plain step
-    ("(draft 0)", `bench profile --draft-fraction 0`), which still keeps the drafter's context:
-    the engine prices its plain steps by its own, and by the target alone without it."""
+def test_the_engine_prices_its_plain_step_by_what_a_run_of_them_costs(tmp_path):
+    """A cost file may hold the target alone ("(no drafter)"), this engine's own plain step
+    ("(draft 0)", `bench profile --draft-fraction 0`: it keeps the drafter's context) and its
+    plain step that lets the context lapse ("(lapsed)", `--lapse`). The engine prices plain steps
+    by the lapsed one where they may lapse (the default), else by its own, else the target alone."""
     from nanodspark import LLM
     from nanodspark.lab.shapes import materialize
     model = materialize("tiny-dense", tmp_path / "tiny-dense")
@@ -721,7 +745,59 @@ def test_the_engine_prices_its_plain_step_by_its_own_profile_when_the_file_holds
     save = lambda t, n: CostTable(t, model_name=n, dtype=dtype, device=device).save(path)   # noqa: E731
     save({(b, k): 1e-3 * (2 + 0.1 * k) for b in sizes for k in range(0, b * g + 1)}, name)
     save({(b, 0): 1e-3 for b in sizes}, f"{name} (no drafter)")
-    plain = lambda: LLM(str(model), **kw).engine.windows.scheduler.plain_table.predict(2, 0)   # noqa: E731
-    assert plain() == pytest.approx(1e-3)
+    plain = lambda **o: LLM(str(model), **kw, **o).engine.windows.scheduler.plain_table.predict(2, 0)  # noqa: E731
+    assert plain() == pytest.approx(1e-3) and plain(verify_lapse_after=0) == pytest.approx(1e-3)
     save({(b, 0): 1.25e-3 for b in sizes}, f"{name} (draft 0)")
-    assert plain() == pytest.approx(1.25e-3)
+    assert plain() == pytest.approx(1.25e-3) and plain(verify_lapse_after=0) == pytest.approx(1.25e-3)
+    save({(b, 0): 1.1e-3 for b in sizes}, f"{name} (lapsed)")
+    assert plain() == pytest.approx(1.1e-3) and plain(verify_lapse_after=0) == pytest.approx(1.25e-3)
+
+
+def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
+    """Plain steps 3-9, of which 5-9 let the drafter's context lapse, then every row drafts again:
+    greedy output equals the target alone; each request's `draft_start` moved past the lapse;
+    the drafter reads nothing below it (the whole draft cache is NaN when drafting resumes, yet
+    every drafted confidence is finite); and the lapsed requests publish no draft blocks past it
+    (the draft group's prefix cache ends up smaller than the target's, equal without a lapse)."""
+    from conftest import make_hf_model, random_drafter
+    from nanodspark import LLM, SamplingParams
+    from nanodspark.loader import load_model
+    from nanodspark.step import WindowPlan
+    from nanodspark.windows import WindowPolicy
+    out, _ = make_hf_model("qwen3", tmp_path / "pair", num_hidden_layers=2)
+    random_drafter(load_model(out), gamma=3, num_layers=1, std=0.2).save(out / "drafter")
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 11, 18)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(use_tqdm=False, device="cpu", block_size=4, enable_prefix_cache=True)
+    want = [o.token_ids for o in LLM(str(out), drafter_path="none", **kw).generate(ps, greedy)]
+
+    class Lapse(WindowPolicy):
+        def __init__(self, eng, lapse):
+            self.eng, self.lapse, self.conf = eng, lapse, []
+
+        def plan(self, rows, step):
+            if 3 <= step < 10:
+                return WindowPlan(0, True, None, draft=0.0, upkeep=not (self.lapse and step >= 5))
+            if step == 10 and self.lapse:      # whatever lies below draft_start is never read
+                self.eng.executor.spec.draft_cache.fill_(float("nan"))
+            return WindowPlan(len(rows.slots) * self.eng.gamma, False)
+
+        def observe(self, result):
+            d = result.decode
+            if d is not None and len(d.slots) and result.step >= 10:
+                self.conf.append(d.out.conf[d.out.drafted != 0])
+
+    for lapse in (True, False):
+        llm = LLM(str(out), **kw)
+        eng = llm.engine
+        eng.windows = policy = Lapse(eng, lapse)
+        assert [o.token_ids for o in llm.generate(ps, greedy)] == want
+        starts = eng.state.draft_start[:len(ps)]
+        managers = eng.scheduler.managers
+        if lapse:
+            assert (starts > torch.tensor([len(p) for p in ps], dtype=torch.int32)).all(), starts
+            assert policy.conf and all(np.isfinite(c).all() for c in policy.conf)
+            assert len(managers["draft"].cache) < len(managers["full"].cache)
+        else:
+            assert (starts == 0).all() and len(managers["draft"].cache) == len(managers["full"].cache)

@@ -1,4 +1,5 @@
-"""Tensor and expert parallelism on the CPU: gloo, 2 and 4 processes, tiny models.
+"""Tensor and expert parallelism on the CPU: gloo, 2 and 4 processes, tiny models; the engine
+and serve.py tests run again over NCCL where two GPUs are (skipped elsewhere).
 
 * the loader gives each rank only its shard, read slice by slice (no rank holds the model);
 * TP logits equal single-process logits (float32, |diff| <= 1e-6 + 1e-5 |ref|: the only
@@ -210,12 +211,20 @@ def _prompts():
 
 
 ENGINE = dict(use_tqdm=False, device="cpu", num_kv_blocks=64, max_num_seqs=4, dist_timeout_s=30)
+# Where two GPUs are, the same tests run again over NCCL: one rank a GPU, decode steps replayed
+# from CUDA graphs that capture the all-reduces (CUDA's defaults). float32 there too, so that the
+# only difference from one process is the order of the all-reduced sums, as on the CPU.
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs"))]
 
 
-def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stops_it(spec_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stops_it(spec_dir, device):
     """One TP-2 engine (EP 2 for the MoE layers): greedy and seeded sampling equal one process,
     also with the overlapped loop, and every rank's step digest agrees; then a worker is killed mid-generation and the next
-    step raises `WorkerLost`, at once (gloo reports the closed connection)."""
+    step raises `WorkerLost`, promptly (gloo reports the closed connection; under NCCL rank 0's
+    watch of its workers names the dead one)."""
+    ENGINE = dict(globals()["ENGINE"], device=device, dtype="float32")
     ref = LLM(str(spec_dir), **ENGINE)
     assert ref.engine.drafter is not None
     want = [o.token_ids for o in ref.generate(_prompts(), GREEDY)]
@@ -226,6 +235,8 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
     par = eng.parallel
     try:
         assert par.world == 2 and eng.kv_cache.tensors["full"].shape[-2] == 1   # its own KV head (of 2)
+        assert par.backend == ("nccl" if device == "cuda" else "gloo")
+        eng.overlap = False                    # the plain loop first (CUDA's default is overlapped)
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == want
         assert [o.token_ids for o in llm.generate(_prompts()[:2], seeded)] == want_seeded
         # the overlapped loop (CUDA's default; here forced on the CPU): launch n+1, then commit n
@@ -238,6 +249,9 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
         assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == want[:2]
         digests = par.digests()
         assert par.steps > 0 and len(set(digests)) == 1, digests
+        if device == "cuda":   # the steps replayed graphs with NCCL's all-reduces inside
+            assert eng.executor.graphs.use_graphs and eng.executor.graphs.graphs
+            return             # a killed worker under NCCL: the serve.py test, in a process of its own
         # a worker dies mid-generation
         eng.add_request(_prompts()[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         eng.step()
@@ -253,10 +267,12 @@ def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stop
 
 
 # ----------------------------------------------------------------------------- serve.py
-def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
-    """`python serve.py --tensor-parallel-size 2` on the CPU (gloo): the default pair (target and
-    drafter) answers with one process's greedy text; a worker killed while a stream is running
-    makes the server exit with status 1 and the error, within a bound."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies(device):
+    """`python serve.py --tensor-parallel-size 2` on the CPU (gloo) or two GPUs (NCCL): the
+    default pair (target and drafter) answers with one process's greedy text; a worker killed
+    while a stream is running makes the server exit with status 1 and the error, within a bound
+    (under NCCL a step stuck in a collective with the dead peer waits out `--dist-timeout-s`)."""
     import re
     import socket
     import subprocess
@@ -266,12 +282,14 @@ def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
     import httpx
     root = Path(__file__).resolve().parents[1]
     prompt = "Once upon a time"
-    want = LLM(use_tqdm=False, device="cpu").generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].text
+    one = LLM(use_tqdm=False, device=device, dtype="float32")
+    want = one.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].text
+    del one
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, str(root / "serve.py"), "--tensor-parallel-size", "2", "--device", "cpu",
-                          "--port", str(port), "--log-level", "warning", "--dist-timeout-s", "30"],
+    p = subprocess.Popen([sys.executable, str(root / "serve.py"), "--tensor-parallel-size", "2", "--device", device,
+                          "--dtype", "float32", "--port", str(port), "--log-level", "warning", "--dist-timeout-s", "30"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     lines = []
@@ -282,7 +300,7 @@ def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
             assert line and time.monotonic() < deadline, "".join(lines)
             lines.append(line)
         banner = "".join(lines)
-        assert "2 cpu ranks (tensor parallel)" in banner, banner
+        assert f"2 {device} ranks (tensor parallel)" in banner, banner
         worker = int(re.search(r"rank 1 pid (\d+)", banner).group(1))
         base = f"http://127.0.0.1:{port}"
         r = httpx.post(base + "/v1/completions", timeout=60,
@@ -298,7 +316,7 @@ def test_serve_py_tp2_serves_the_default_pair_and_stops_when_a_worker_dies():
             os.kill(worker, signal.SIGKILL)
             rest = "".join(chunks)
         assert "engine stopped" in rest and "tensor-parallel worker" in rest, rest[-500:]
-        assert p.wait(30) == 1
+        assert p.wait(30 if device == "cpu" else 90) == 1
         out = banner + p.stdout.read()
         assert "error: the engine stopped: tensor-parallel worker" in out, out[-2000:]
     finally:

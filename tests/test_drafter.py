@@ -59,6 +59,37 @@ def test_paged_inference_equals_dense_training_path(target):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_the_block_reads_no_context_below_its_kv_start(target):
+    """A lapsed context (speculative.py): with kv_start = s the block never reads keys below s.
+    NaN stored there leaves it finite and equal to the same pass over any other values; the
+    context from s to the anchor still counts (changing it changes the block)."""
+    d = make(target)
+    torch.manual_seed(2)
+    ids = torch.randint(0, target.config.vocab_size, (23,))
+    a, s, bs = 17, 9, 4
+    captured = features(target, ids, d.config.target_layer_ids)
+    table = torch.tensor([6, 2, 7, 0, 3, 5], dtype=torch.int32)
+    pos = torch.arange(a)
+    slots = table[pos // bs].long() * bs + pos % bs
+
+    def block(fill_below, bump=0.0, kv_start=torch.tensor([s], dtype=torch.int32)):
+        cache = torch.zeros(d.config.num_layers, 2, 8, bs, d.config.num_key_value_heads, d.config.head_dim)
+        feats = [c[:a].clone() for c in captured]
+        for c in feats:
+            c[s] += bump
+        d.inject(feats, pos, slots, cache)
+        lo = slots[:s]
+        cache.view(d.config.num_layers, 2, -1, *cache.shape[-2:])[:, :, lo] = fill_below
+        return d.block_hidden(ids[a:a + 1], torch.tensor([a]), cache, table[None], bs, kv_start=kv_start)[0]
+
+    with torch.no_grad():
+        got = block(float("nan"))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, block(3.0))
+        assert not torch.allclose(block(0.0, bump=5.0), block(0.0))          # position s is read
+        assert not torch.allclose(block(3.0, kv_start=None), block(0.0, kv_start=None))   # 0: all of it
+
+
 def test_context_is_strictly_before_the_anchor(target):
     d = make(target)
     ids = torch.randint(0, target.config.vocab_size, (20,))

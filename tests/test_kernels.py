@@ -258,6 +258,20 @@ def test_paged_attention_matches_reference(device, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_non_causal_blocks_read_from_kv_start_as_the_reference(device):
+    """The drafter's block pass (causal=False): every row of a request reads all its keys in
+    [kv_start, kv_len), and nothing below kv_start (NaN there, as in every case here)."""
+    b = make_batch(q_lens=[4, 4, 4], kv_lens=[40, 21, 90], hq=4, hkv=2, d=16, page=16, kv_start=[0, 17, 33],
+                   dtype=torch.float32, device=device, seed=5)
+    want = run_ref(b, scale=0.25, causal=False)
+    got = run_triton(b, scale=0.25, causal=False)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    causal = run_ref(b, scale=0.25)
+    assert not torch.allclose(causal[:3], want[:3])      # the first row reads its block's later keys
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(4))
 def test_paged_attention_random(device, seed):
     case = random_case(100 + seed)

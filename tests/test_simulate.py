@@ -98,7 +98,7 @@ def _oracle(eng, continuations: dict, corrupt: float = 0.35, seed: int = 0):
     g, config = eng.gamma, eng.executor.spec.drafter.config
 
     class Oracle:
-        def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream):
+        def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream, kv_start=None):
             by_block = {r.tables["draft"].blocks[0]: r for r in eng.scheduler.running if r.tables.get("draft")}
             toks = torch.zeros(len(anchors), g, dtype=torch.long)
             conf = torch.full((len(anchors), g), 0.5)

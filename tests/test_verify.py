@@ -36,7 +36,7 @@ class OracleDrafter:
     def __init__(self, eng):
         self.eng, self.config = eng, eng.executor.spec.drafter.config
 
-    def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream):
+    def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream, kv_start=None):
         by_block = {r.tables["draft"].blocks[0]: r for r in self.eng.scheduler.running if r.tables.get("draft")}
         first = block_tables[:, 0].tolist()
         g = self.config.gamma

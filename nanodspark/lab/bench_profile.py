@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cost_table import share_name
+from ..cost_table import lapsed_name, share_name
 from .bench_engine import bench_prompts
 
 
@@ -72,7 +72,7 @@ def profiled_loop(eng, loop: str) -> bool:
 
 def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = None,
                       context_slack: int = DEFAULT_CONTEXT_SLACK, commit_drafts: bool = False,
-                      loop: str = "sync", draft_fraction: float = 1.0):
+                      loop: str = "sync", draft_fraction: float = 1.0, upkeep: bool = True):
     """run_step(bs, K): one real `engine.step()` of bs decoding requests whose windows add up to
     K (`ForcedWindows` forces them): draft, verify, acceptance, sampling, KV injection and
     bookkeeping, everything the cost scheduler actually trades against. Requests are created
@@ -92,7 +92,8 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     not count (speculative.py says why; on the H200 it was most of bs 256's rise with K).
 
     `draft_fraction` < 1: only the first ceil(fraction * bs) requests run the drafter's pass and
-    the K drafts are theirs (`ForcedShare`): the cost of the cost scheduler's partial steps."""
+    the K drafts are theirs (`ForcedShare`): the cost of the cost scheduler's partial steps;
+    with fraction 0 and `upkeep=False`, the plain step that lets the drafter's context lapse."""
     import random
     from ..sampling import SamplingParams
     from ..verify import VerifyMode
@@ -109,13 +110,16 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
     eng.overlap = profiled_loop(eng, loop)
     if not commit_drafts:
         use_mode(eng, VerifyOnly())
+    if not upkeep and draft_fraction != 0.0:
+        raise ValueError("only a plain step (draft fraction 0) lets the drafter's context lapse")
     if draft_fraction < 1.0:
         tiers = eng.executor.draft_tiers.get(draft_fraction)
         if tiers is None:
             raise ValueError(f"draft fraction {draft_fraction} is not one of the engine's "
                              f"verify_draft_fractions {eng.config.verify_draft_fractions}")
         if eng.executor.graphs.graphs:        # the partial step's graphs, with the profile's verify mode
-            eng.executor.graphs.capture([(True, False, draft_fraction)], progress=False, tiers=tiers)
+            eng.executor.graphs.capture([(True, False, draft_fraction) + (() if upkeep else (False,))],
+                                        progress=False, tiers=tiers)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state = {"bs": None, "ids": [], "reqs": []}
     phases: dict[int, dict] = {}         # host ms per phase of the timed steps, per batch size
@@ -163,7 +167,7 @@ def whole_step_runner(llm, context_len: int, prompts: list[list[int]] | None = N
         if state["bs"] != bs:
             prepare(bs, k)
         if draft_fraction < 1.0:
-            eng.windows = ForcedShare(gamma, k, draft_fraction)
+            eng.windows = ForcedShare(gamma, k, draft_fraction, upkeep)
         else:
             eng.windows = ForcedWindows(gamma, lambda rs: [k // len(rs) + (1 if r < k % len(rs) else 0)
                                                           for r in range(len(rs))])
@@ -191,8 +195,8 @@ class ForcedShare:
     """The profile's window policy for a partial step: the first ceil(fraction * R) requests
     draft, and K drafts are spread over them as evenly as it goes."""
 
-    def __init__(self, gamma: int, k: int, fraction: float):
-        self.gamma, self.k, self.fraction = gamma, k, fraction
+    def __init__(self, gamma: int, k: int, fraction: float, upkeep: bool = True):
+        self.gamma, self.k, self.fraction, self.upkeep = gamma, k, fraction, upkeep
 
     def plan(self, rows, step):
         from ..step import WindowPlan
@@ -201,7 +205,7 @@ class ForcedShare:
         caps = np.zeros(R, dtype=np.int64)
         if D:
             caps[:D] = np.minimum(self.gamma, self.k // D + (np.arange(D) < self.k % D))
-        return WindowPlan(int(caps.sum()), False, caps, draft=self.fraction)
+        return WindowPlan(int(caps.sum()), False, caps, draft=self.fraction, upkeep=self.upkeep)
 
     def observe(self, result) -> None:
         pass
@@ -264,16 +268,20 @@ def profile(args) -> dict:
         ps = bench_prompts("mix", max(args.batch_sizes), getattr(args, "data_dir", None))
         prompts = [llm.tokenizer.encode(p.render()) for p in ps]
     loop = getattr(args, "loop", "auto")
+    lapse = getattr(args, "lapse", False)
+    if lapse and f != 0.0:
+        raise SystemExit("--lapse profiles a plain step: it needs --draft-fraction 0")
     runner = whole_step_runner(llm, args.context, prompts,
                                commit_drafts=getattr(args, "acceptance", "none") == "traffic", loop=loop,
-                               draft_fraction=f)
+                               draft_fraction=f, upkeep=not lapse)
     try:
         table = profile_step_cost(runner, args.batch_sizes, ks,
                                   repeats=args.repeats, monotone=getattr(args, "monotone", "isotonic"),
                                   estimator=getattr(args, "estimator", "rounds"),
                                   trend_z_min=None if getattr(args, "no_trend_gate", False)
                                   else getattr(args, "trend_z", DEFAULT_TREND_Z),
-                                  model_name=share_name(source["model_name"], f) if f < 1 else source["model_name"],
+                                  model_name=lapsed_name(source["model_name"]) if lapse else
+                                  share_name(source["model_name"], f) if f < 1 else source["model_name"],
                                   dtype=str(llm.engine.dtype),
                                   device=llm.engine.device.type)
     finally:
@@ -447,6 +455,9 @@ def add_profile_args(p) -> None:
     p.add_argument("--draft-fraction", type=float, default=1.0,
                    help="profile the cost scheduler's partial step: only this share of the batch drafts "
                         "(one of the engine's verify_draft_fractions); the table is keyed '<model> (draft F)'")
+    p.add_argument("--lapse", action="store_true",
+                   help="with --draft-fraction 0: the plain step that lets the drafter's context lapse "
+                        "(deep in a run of plain steps); the table is keyed '<model> (lapsed)'")
     add_loop_arg(p)
     p.add_argument("--kv-gb", type=float, default=0.0,
                    help="KV cache memory (GiB); 0 = sized for the largest batch at the context")

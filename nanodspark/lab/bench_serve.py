@@ -78,13 +78,15 @@ SYSTEMS = {
                            ["--verify-mode", "compact", "--verify-draft-fractions", "[]"], True),
     "compact-clock": ({"verify_mode": "compact", "verify_step_clock": True},
                       ["--verify-mode", "compact", "--verify-step-clock"], True),
+    "compact-keep": ({"verify_mode": "compact", "verify_lapse_after": 0},      # plain steps feed the drafter
+                     ["--verify-mode", "compact", "--verify-lapse-after", "0"], True),
     "static-b": ({"verify_mode": "static"}, ["--verify-mode", "static"], False),   # the A/A control
 }
 # paired ratios reported per concurrency: (numerator, denominator)
 PAIRS = (("static", "no-spec"), ("compact", "no-spec"), ("compact", "static"), ("static-b", "static"),
          ("compact-no-trim", "static"), ("compact-no-plain", "no-spec"), ("compact", "compact-no-plain"),
          ("compact-no-partial", "no-spec"), ("compact", "compact-no-partial"), ("compact-clock", "no-spec"),
-         ("compact-clock", "compact"))
+         ("compact-clock", "compact"), ("compact-keep", "no-spec"), ("compact", "compact-keep"))
 
 
 # ----------------------------------------------------------------------------- the work

@@ -129,8 +129,9 @@ UNITS: tuple[Unit, ...] = (
              Group("the paged block pass equals the dense training pass", 25, _ids(
                  "tests/test_drafter.py", "test_paged_inference_equals_dense_training_path",
                  "test_batched_training_attention_equals_one_sequence_at_a_time")),
-             Group("the context is strictly before the anchor", 15, _ids(
-                 "tests/test_drafter.py", "test_context_is_strictly_before_the_anchor")),
+             Group("the context is strictly before the anchor, from kv_start", 15, _ids(
+                 "tests/test_drafter.py", "test_context_is_strictly_before_the_anchor",
+                 "test_the_block_reads_no_context_below_its_kv_start")),
              Group("the Markov head", 20, _ids(
                  "tests/test_drafter.py", "test_markov_head_conditions_each_slot_on_the_sampled_previous_token")),
              Group("the confidence head and its temperatures", 15, _ids(

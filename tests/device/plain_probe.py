@@ -1,11 +1,12 @@
 """Where a compact engine's plain step spends what the target alone does not (GPU only).
 
 The cost scheduler's plain step (draft share 0, speculative.py) verifies no draft, yet it still
-captures the target's features and injects them into the drafter's context. This probe builds
-both engines on a shape with random weights (lab/shapes.py), fills each with the same batch of
-decoding requests, times their steps in the overlapped loop in alternating rounds, and lists
-the kernels of a few profiled steps by name: the rows only the compact engine runs are the
-plain step's extra cost.
+captures the target's features and injects them into the drafter's context, unless it lets that
+context lapse (deep in a run of plain steps). This probe builds the engines (compact keeping the
+context, compact letting it lapse, the target alone) on a shape with random weights
+(lab/shapes.py), fills each with the same batch of decoding requests, times their steps in the
+overlapped loop in alternating rounds, and lists the kernels of a few profiled steps by name:
+the rows only the compact engine runs are the plain step's extra cost.
 
     python tests/device/plain_probe.py --shape qwen3-8b --batch 256 --out $OUT/plain_probe.json
 """
@@ -98,12 +99,17 @@ def main() -> None:
     a = ap.parse_args()
     ns = SimpleNamespace(shape=a.shape, batch_sizes=[a.batch], context=a.context, kv_gb=0.0)
     spec, _ = build_profiled_llm(ns, drafter=True, verify_mode="compact")
+    lapsing, _ = build_profiled_llm(ns, drafter=True, verify_mode="compact")
     alone, _ = build_profiled_llm(ns, drafter=False)
     ps = prompts(a.batch, a.context, spec.engine.model_config.vocab_size)
     run = whole_step_runner(spec, a.context, ps, loop="overlap", draft_fraction=0.0)
+    lapse = whole_step_runner(lapsing, a.context, ps, loop="overlap", draft_fraction=0.0, upkeep=False)
     engines = {"compact, plain step": (lambda: (run.state.update(bs=None), run.prepare(a.batch, 0)),
                                        lambda: run(a.batch, 0)),
+               "compact, lapsed plain step": (lambda: (lapse.state.update(bs=None), lapse.prepare(a.batch, 0)),
+                                              lambda: lapse(a.batch, 0)),
                "target alone": plain_runner(alone, ps, a.context)}
+    llms = {"compact, plain step": spec, "compact, lapsed plain step": lapsing, "target alone": alone}
     ms = {k: [] for k in engines}
     gaps = {k: [] for k in engines}                # wall ms between consecutive steps' returns
     phases = {k: [] for k in engines}              # host ms per phase (unprofiled), per round
@@ -113,7 +119,7 @@ def main() -> None:
             for _ in range(3):
                 step()
             sync()
-            clock = (spec if name.startswith("compact") else alone).engine.clock
+            clock = llms[name].engine.clock
             clock.reset()
             t = last = time.perf_counter()
             for _ in range(a.steps):
@@ -142,6 +148,7 @@ def main() -> None:
         python[name] = [{"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": round(v[1] / a.profile_steps, 1),
                          "own_us_per_step": round(1e6 * v[2] / a.profile_steps, 1)} for (f, line, fn), v in top]
     run.close()
+    lapse.close()
     a_, b_ = prof["compact, plain step"], prof["target alone"]
     extra = sorted(((k, a_.get(k, 0.0) - b_.get(k, 0.0)) for k in set(a_) | set(b_)), key=lambda kv: -abs(kv[1]))
     res = {"shape": a.shape, "random_weights": True, "batch": a.batch, "context": a.context, **environment(),
