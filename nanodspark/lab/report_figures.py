@@ -527,7 +527,8 @@ FIGURES = [
 
     Figure("thesis-smollm2-shape-law", {"s": "benchmarks/steady_state_smollm2_shape_law_rounds_h200.json"},
            H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6 at the price of verify.py's law), "
-           "in-process, text-free, closed loop, mix workload, greedy, prefix cache off, on the shapes' four profiles "
+           "in-process, text-free, closed loop, mix workload, greedy, prefix cache off, compact as "
+           "`--verify-lapse-after 0` runs it (its plain steps keep the drafter's context), on the shapes' four profiles "
            "(`.carry/smol/cost_new.json` is `benchmarks/cost_table_smollm2_shape_h200.json`), two rounds in rotating "
            "order, paired medians (min–max)",
            ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
@@ -695,17 +696,61 @@ FIGURES = [
     Figure("plain-probe-smollm2", {"a": "benchmarks/plain_probe_smollm2_128_h200.json",
                                    "b": "benchmarks/plain_probe_smollm2_256_h200.json"},
            H200 + "; the SmolLM2-135M pair's shapes with RANDOM WEIGHTS, a batch of decoding requests (random "
-           "prompts of 137–200 tokens), the plain step forced (no choice), steps timed in the overlapped loop, the "
-           "two engines in 5 alternating rounds of 24 steps at 256, 3 at 128 (median); device time from 16 profiled "
-           "steps each; in the run at 256 both engines' requests decoded their text every step, at 128 none did "
-           "(`plain_probe.py` adds them text-free)",
-           ["batch", "target alone: ms per step", "compact's plain step: ms", "plain / alone",
-            "device µs per step: alone · plain", "host ms, launch: alone · plain"],
+           "prompts of 137–200 tokens, no text in the step), the plain step forced (no choice): compact's plain step "
+           "keeping the drafter's context, the one letting it lapse, and the target alone, steps timed in the "
+           "overlapped loop, the three engines in 3 alternating rounds of 24 steps (median); device time from 16 "
+           "profiled steps each; one call",
+           ["batch", "target alone: ms per step", "plain step, context kept: ms", "plain step, context lapsed: ms",
+            "kept / alone · lapsed / alone", "device µs per step: alone · kept · lapsed"],
            [["{b}", "<{f}:step_ms.target alone.median|.2f>", "<{f}:step_ms.compact, plain step.median|.2f>",
-             "<{f}:step_ms.compact, plain step.median / {f}:step_ms.target alone.median|.3f>",
-             "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f>",
-             "<{f}:host_ms_per_step.target alone.launch|.2f> · <{f}:host_ms_per_step.compact, plain step.launch|.2f>"]],
+             "<{f}:step_ms.compact, lapsed plain step.median|.2f>",
+             "<{f}:step_ms.compact, plain step.median / {f}:step_ms.target alone.median|.3f> · "
+             "<{f}:step_ms.compact, lapsed plain step.median / {f}:step_ms.target alone.median|.3f>",
+             "<{f}:device_us_per_step.target alone|,.0f> · <{f}:device_us_per_step.compact, plain step|,.0f> · "
+             "<{f}:device_us_per_step.compact, lapsed plain step|,.0f>"]],
            [{"b": 128, "f": "a"}, {"b": 256, "f": "b"}]),
+
+    Figure("plain-profile-smollm2-lapse", {"t": "benchmarks/cost_table_smollm2_shape_lapse_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS): the plain steps' profiles of one call (whole steps in the "
+           "overlapped loop, no text in the step, context 256; `bench profile` with mix prompts, `bench "
+           "profile-plain` with random prompts of one length), ms per step",
+           ["batch", "every row drafting, K = 0", "plain step, context kept (draft 0)", "plain step, context "
+            "lapsed (lapsed)", "lapsed / kept", "the target alone (no drafter)"],
+           [["{b}", f"<t:@{_SMOL}.raw[0={{b}},1=0].2 * 1000|.2f>",
+             f"<t:@{_SMOL} (draft 0).raw[0={{b}},1=0].2 * 1000|.2f>",
+             f"<t:@{_SMOL} (lapsed).raw[0={{b}},1=0].2 * 1000|.2f>",
+             f"<t:@{_SMOL} (lapsed).raw[0={{b}},1=0].2 / t:@{_SMOL} (draft 0).raw[0={{b}},1=0].2|.2f>",
+             f"<t:@{_SMOL} (no drafter).raw[0={{b}},1=0].2 * 1000|.2f>"]],
+           [{"b": b} for b in (1, 16, 64, 128, 256)]),
+
+    Figure("thesis-smollm2-shape-lapse", {"s": "benchmarks/steady_state_smollm2_shape_lapse_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, mix "
+           "workload, greedy, prefix cache off, on the profiles above (measured first, in the same call); compact "
+           "letting the drafter's context lapse after 16 plain steps in a row (the default) and compact keeping it "
+           "(`--verify-lapse-after 0`), two rounds in rotating order, paired medians (min–max)",
+           ["concurrency", "no-spec tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
+            "compact, context kept / no-spec", "compact / context kept", "compact / static", "A/A: static-b / static",
+            "compact: plain steps / steps"],
+           [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact")]
+            + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+               f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+               for r in ("static/no-spec", "compact/no-spec", "compact-keep/no-spec", "compact/compact-keep",
+                         "compact/static", "static-b/static")]
+            + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
+           [{"c": c} for c in (16, 64, 128, 256)]),
+
+    Figure("thesis-smollm2-shape-lapse-rounds", {"s": "benchmarks/steady_state_smollm2_shape_lapse_rounds_h200.json"},
+           H200 + "; as the sweep above, at load only, on its profiles (`.carry/smol/cost_lapse.json` is "
+           "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), three rounds in rotating order, another call; "
+           "paired medians (min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
+            "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
+           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
+                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
+               for m in ("no-spec", "compact")]],
+           [{"c": c} for c in (64, 128, 256)]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
