@@ -25,9 +25,10 @@ One engine, N workers (`Parallel`)
     with that message); if the step is stuck inside a device collective that never returns
     (NCCL), the watcher ends rank 0 after the timeout with the same message rather than hang.
 
-CUDA graphs and the overlapped loop (designed for, not testable here: no GPU)
-    Each rank captures its own graphs at start-up, in the same tier order (the capture runs the
-    step, collectives included, so all ranks capture together); NCCL all-reduces are recorded
+CUDA graphs and the overlapped loop (tested over NCCL where two GPUs are; not run on two yet)
+    Each rank captures its own graphs at start-up, in the same tier order: rank 0 sends
+    "capture" once the workers serve (the capture runs the step, collectives included, so all
+    ranks must capture together); NCCL all-reduces are recorded
     into the graphs like any kernel. The overlapped loop only moves when rank 0 *reads* a step;
     workers launch steps in the order they receive them, so overlap needs nothing more.
 
@@ -242,6 +243,18 @@ class Parallel:
             self.lost = f"a tensor-parallel step failed: {type(cause).__name__}: {cause}"
         raise WorkerLost(f"{self.lost}; the engine cannot continue") from cause
 
+    def capture(self, **kinds) -> None:
+        """Rank 0 at start-up: every rank tunes and captures the same decode graphs at once
+        (`Worker.capture`), since each capture first runs the step, collectives included."""
+        self._busy_since = time.monotonic()
+        try:
+            self._send(("capture", kinds))
+            self.worker.capture(**kinds)
+        except Exception as e:  # noqa: BLE001 - a rank that cannot capture leaves the others waiting
+            self._raise_lost(e)
+        finally:
+            self._busy_since = None
+
     def launch(self, writes, plan):
         """Rank 0's step: send it to the workers, then run it here (engine.launch calls this)."""
         if self.lost is not None:
@@ -339,6 +352,12 @@ class Parallel:
                     self._run_step(msg[1], msg[2])
                 except RuntimeError as e:
                     print(f"nanodspark worker {self.rank}: step failed ({e}); exiting", file=sys.stderr, flush=True)
+                    return 1
+            elif kind == "capture":
+                try:
+                    self.worker.capture(**msg[1])
+                except RuntimeError as e:
+                    print(f"nanodspark worker {self.rank}: capture failed ({e}); exiting", file=sys.stderr, flush=True)
                     return 1
             elif kind == "digest":
                 dist.all_gather_object([None] * self.world, self._fold_digest(), group=self.control)

@@ -132,6 +132,7 @@ class LLMEngine:
             raise
         if parallel is not None:
             parallel.ready(self.worker)       # the workers start serving steps
+            parallel.capture(**self._graphs)  # every rank captures together: the warm-ups run collectives
 
     def _build(self, model_path, cfg: EngineConfig) -> None:
         self.worker = w = Worker(model_path, cfg, self.parallel)
@@ -167,8 +168,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
-        w.capture(plain_steps=self.plain_steps, shares=self.draft_shares,
-                  lapse=bool(getattr(getattr(self.windows, "scheduler", None), "lapse_after", 0)))
+        self._graphs = dict(plain_steps=self.plain_steps, shares=self.draft_shares,
+                            lapse=bool(getattr(getattr(self.windows, "scheduler", None), "lapse_after", 0)))
+        if self.parallel is None:
+            w.capture(**self._graphs)
 
     @property
     def plain_steps(self) -> bool:

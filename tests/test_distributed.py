@@ -219,18 +219,27 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not TWO_GPUS, re
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stops_it(spec_dir, device):
+def test_engine_tp2_with_speculation_equals_one_process_and_a_killed_worker_stops_it(spec_dir, device, monkeypatch):
     """One TP-2 engine (EP 2 for the MoE layers): greedy and seeded sampling equal one process,
     also with the overlapped loop, and every rank's step digest agrees; then a worker is killed mid-generation and the next
     step raises `WorkerLost`, promptly (gloo reports the closed connection; under NCCL rank 0's
-    watch of its workers names the dead one)."""
+    watch of its workers names the dead one). Rank 0 captures its graphs only once the workers
+    serve, by telling them to capture too (a capture runs the step's collectives)."""
+    from nanodspark.distributed import Parallel
+    from nanodspark.worker import Worker
     ENGINE = dict(globals()["ENGINE"], device=device, dtype="float32")
     ref = LLM(str(spec_dir), **ENGINE)
     assert ref.engine.drafter is not None
     want = [o.token_ids for o in ref.generate(_prompts(), GREEDY)]
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8)
     want_seeded = [o.token_ids for o in ref.generate(_prompts()[:2], seeded)]
+    order = []
+    for cls, name in ((Parallel, "ready"), (Parallel, "capture"), (Worker, "capture")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _r=real, _n=f"{cls.__name__}.{name}", **k:
+                            order.append(_n) or _r(self, *a, **k))
     llm = LLM(str(spec_dir), tensor_parallel_size=2, expert_parallel_size=2, **ENGINE)
+    assert order == ["Parallel.ready", "Parallel.capture", "Worker.capture"], order
     eng = llm.engine
     par = eng.parallel
     try:
