@@ -1,6 +1,7 @@
 """The simulator (nanodspark/lab/simulate.py): a hand-computed case exactly, the real engine step
 for step (on a virtual clock, so no timing is asserted), a sweep predicted within a stated error,
 the recorder, the scaled traces and the calibration."""
+import dataclasses
 import json
 import math
 import shutil
@@ -398,3 +399,53 @@ def test_a_cost_file_names_its_partial_step_profiles_apart(tmp_path):
     assert cost.decode_seconds(4, 2, drafting=1) == pytest.approx(28e-3)
     from nanodspark.cost_table import share_name, share_of
     assert share_of(share_name("m", 0.25)) == 0.25 and share_of("m (no drafter)") is None and share_of("m") is None
+
+
+def test_a_lapsed_plain_step_is_priced_by_its_own_profile(tmp_path):
+    """A cost file may hold the lapsed plain step's profile ("(lapsed)", `bench profile --lapse`):
+    `load_table` passes over it, `load_lapsed` finds it, the ledger's LAPSED mark is priced by it
+    (PLAIN still by the kept plain step's), and the plain price the scheduler reads is it where
+    plain steps may lapse."""
+    from nanodspark.lab.simulate import load_lapsed, load_shares, load_table
+    from nanodspark.lab.traces import LAPSED, PLAIN
+    path = tmp_path / "c.json"
+    CostTable({(4, k): 1e-3 * (26 + k) for k in range(9)}, model_name="m").save(path)
+    CostTable({(4, 0): 20e-3}, model_name="m (no drafter)").save(path)
+    CostTable({(4, 0): 22e-3}, model_name="m (draft 0)").save(path)
+    CostTable({(4, 0): 19e-3}, model_name="m (lapsed)").save(path)
+    cost = StepCost(load_table(path), load_table(path, plain=True), shares=load_shares(path), lapsed=load_lapsed(path))
+    assert cost.table.model_name == "m" and cost.lapsed.model_name == "m (lapsed)"
+    assert cost.decode_seconds(4, LAPSED) == pytest.approx(19e-3) and cost.decode_seconds(4, PLAIN) == pytest.approx(22e-3)
+    assert cost.plain_step(lapse=True) is cost.lapsed and cost.plain_step().predict(4, 0) == pytest.approx(22e-3)
+
+
+def test_the_simulator_follows_the_engine_through_a_lapsed_run(pair, measured, tmp_path):
+    """Where plain steps win (a cheap plain step, a dear drafting one), compact runs nothing but
+    plain steps; past `verify_lapse_after` of them in a row they let the drafter's context lapse,
+    the ledger marks them LAPSED and the virtual clock prices them by the lapsed profile. The
+    simulator, given the same lapse, makes the same steps at the same times (the first two plain
+    steps, kept, priced apart); compact-keep's plain steps are dearer."""
+    from nanodspark import LLM
+    from nanodspark.lab.simulate import load_lapsed, load_shares
+    from nanodspark.lab.traces import LAPSED
+    name, path = str(pair["dir"]), tmp_path / "cost.json"
+    kw = dict(model_name=name, dtype="torch.float32", device="cpu")
+    CostTable({(b, k): 0.200 + 0.004 * b + 0.010 * k for b in (1, 2, 3, 4) for k in range(0, 3 * b + 1)}, **kw).save(path)
+    for suffix, base in ((" (draft 0)", 0.012), (" (lapsed)", 0.009)):
+        CostTable({(b, 0): base + 0.001 * b for b in (1, 2, 3, 4)}, **{**kw, "model_name": name + suffix}).save(path)
+    cost = dataclasses.replace(pair["cost"], table=CostTable.load(path, name, "torch.float32", "cpu", ()),
+                               shares=load_shares(path), lapsed=load_lapsed(path))
+    llm = LLM(name, use_tqdm=False, max_num_seqs=4, enable_prefix_cache=False, kv_cache_memory_gb=0.05,
+              verify_mode="compact", cost_table=str(path), verify_lapse_after=2)
+    _oracle(llm.engine, pair["conts"])
+    run = engine_closed_loop(llm.engine, pair["work"], CLIENTS, WARMUP_S, WINDOW_S, cost=cost)
+    rk = run.extra["accounting"]["decode_rk"]
+    assert {k for _, k, *_ in rk} == {LAPSED} and sum(n for _, k, n, *_ in rk) > 10   # (the kept ones: in the warm-up)
+    _, static_traces, mbt = measured["static"]
+    sim = simulate_closed_loop("compact", pair["work"], static_traces, cost, CLIENTS, WARMUP_S, WINDOW_S, gamma=3,
+                               max_num_seqs=4, max_num_batched_tokens=mbt, lapse_after=2)
+    got = {r.index: [(round(t, 9), n) for t, n in r.chunks] for r in sim.records}
+    assert got == {r.index: [(round(t, 9), n) for t, n in r.chunks] for r in run.records}
+    keep = simulate_closed_loop("compact-keep", pair["work"], static_traces, cost, CLIENTS, WARMUP_S, WINDOW_S,
+                                gamma=3, max_num_seqs=4, max_num_batched_tokens=mbt)
+    assert summarize(keep)["total_tok_s"] < summarize(sim)["total_tok_s"]      # kept: dearer plain steps

@@ -86,8 +86,8 @@ def _prediction(name: str, key: str, shape: str) -> Figure:
 
 
 def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False,
-                     concurrencies=(1, 16, 64, 256), held_out_head: str = "error, fitted without this concurrency"
-                     ) -> Figure:
+                     concurrencies=(1, 16, 64, 256), held_out_head: str = "error, fitted without this concurrency",
+                     systems=("no-spec", "static", "compact")) -> Figure:
     """`bench simulate --compare` at each concurrency: measured against predicted total tok/s
     (`held_out`: also predicted with the overheads fitted on the other concurrencies only)."""
     files = {f"c{c}": f"benchmarks/simulator_check_{pair}_c{c}.json" for c in concurrencies}
@@ -99,7 +99,7 @@ def _simulator_check(name: str, pair: str, hardware: str, held_out: bool = False
         head += [held_out_head]
         row += ["<h{c}:compare[mode={m}].total_error * 100|+.1f> %"]
     return Figure(name, files, hardware, head, [row],
-                  [{"c": c, "m": m} for c in concurrencies for m in ("no-spec", "static", "compact")])
+                  [{"c": c, "m": m} for c in concurrencies for m in systems])
 
 
 def _thesis_8b(name: str, law: str, caption: str) -> Figure:
@@ -738,6 +738,14 @@ FIGURES = [
                          "compact/static", "static-b/static")]
             + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
            [{"c": c} for c in (16, 64, 128, 256)]),
+
+    _simulator_check("simulator-check-smollm2-shape-lapse", "smollm2_shape_lapse",
+                     "`bench simulate` on a CPU, from the five profiles above, the static traces of the one-round "
+                     "sweep under the same law (another call, `benchmarks/traces/smollm2_shape_law_static_mix_c*.npz`) "
+                     "and the overheads fitted per whole run to no-spec's and static's runs of the sweep above only "
+                     "(`--calibrate-systems no-spec static`): compact and compact-keep are predicted, not fitted; "
+                     "measured: that sweep", concurrencies=(16, 64, 128, 256),
+                     systems=("no-spec", "static", "compact", "compact-keep")),
 
     Figure("thesis-smollm2-shape-lapse-rounds", {"s": "benchmarks/steady_state_smollm2_shape_lapse_rounds_h200.json"},
            H200 + "; as the sweep above, at load only, on its profiles (`.carry/smol/cost_lapse.json` is "

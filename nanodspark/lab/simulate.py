@@ -51,12 +51,15 @@ import numpy as np
 import torch
 
 from ..scheduler import admission_due
+from ..config import EngineConfig
 from ..cost_scheduler import DEFAULT_LAG, DEFAULT_MIN_GAIN, CostScheduler, topk_windows
 from ..step import DecodeRows
 from ..windows import CostWindows, StaticWindows
 from ..cost_table import CostTable, share_of
 from .bench_serve import Run, RequestRecord, ServeWorkload, median_rows, paired_ratios, summarize
-from .traces import RequestTrace, Traces
+from .traces import LAPSED, PLAIN, RequestTrace, Traces
+
+DEFAULT_LAPSE_AFTER = EngineConfig().verify_lapse_after   # the engine's: plain steps before the context lapses
 
 
 # ----------------------------------------------------------------------------- the price of a step
@@ -71,12 +74,16 @@ class StepCost:
     prefill_s: float = 0.0
     prefill_token_s: float = 0.0
     shares: dict | None = None        # fraction -> T(R, K) with that share drafting (`profile --draft-fraction`)
+    lapsed: CostTable | None = None   # the plain step letting the drafter's context lapse (`profile --lapse`)
 
     def decode_seconds(self, R: int, K: int, spec: bool = True, drafting: int | None = None) -> float:
         """K < 0: a plain step of a speculative engine (the ledger's mark), priced by its own
-        profile (share 0, `profile --draft-fraction 0`) if given, else as no speculation.
+        profile (share 0, `profile --draft-fraction 0`) if given, else as no speculation; K =
+        LAPSED, one that lets the drafter's context lapse, by its profile (`--lapse`) if given.
         `drafting` < R rows running the drafter's pass: the profile of the share f with
         ceil(f * R) = drafting rows (as the engine drafts), else `table`'s price (an upper bound)."""
+        if spec and K == LAPSED and self.lapsed is not None:
+            return self.lapsed.predict(R, 0)
         if spec and K < 0 and 0.0 in (self.shares or {}):
             return self.shares[0.0].predict(R, 0)
         spec = spec and K >= 0
@@ -87,9 +94,10 @@ class StepCost:
         t = self.table if spec or self.plain is None else self.plain
         return t.predict(R, K if spec else 0)
 
-    def plain_step(self) -> CostTable | None:
-        """The price of a speculative engine's plain step, as the engine picks it (engine.py)."""
-        return (self.shares or {}).get(0.0) or self.plain
+    def plain_step(self, lapse: bool = False) -> CostTable | None:
+        """The price of a speculative engine's plain step, as the engine picks it (engine.py):
+        with `lapse` (plain steps may let the drafter's context lapse) the lapsed one's first."""
+        return (self.lapsed if lapse else None) or (self.shares or {}).get(0.0) or self.plain
 
     def partial_shares(self) -> dict | None:
         """The shares 0 < f < 1 (the cost scheduler's partial steps)."""
@@ -107,11 +115,17 @@ def load_table(path, key: str | None = None, plain: bool = False) -> CostTable:
     tables = json.loads(Path(path).read_text())
     if key is None:
         kind = [k for k in tables if k.split("|")[0].endswith("(no drafter)") == plain
-                and share_of(k.split("|")[0]) is None] or list(tables)
+                and share_of(k.split("|")[0]) is None and not k.split("|")[0].endswith("(lapsed)")] or list(tables)
         if len(kind) != 1:
             raise SystemExit(f"{path} holds {len(tables)} tables; name one with --table-key: {list(tables)}")
         key = kind[0]
     return CostTable.from_json(tables[key])
+
+
+def load_lapsed(path) -> CostTable | None:
+    """The lapsed plain step's profile in a cost file (`bench profile --draft-fraction 0 --lapse`), if any."""
+    tables = [CostTable.from_json(v) for v in json.loads(Path(path).read_text()).values()]
+    return next((t for t in tables if t.model_name.endswith("(lapsed)")), None)
 
 
 def load_shares(path) -> dict[float, CostTable]:
@@ -161,7 +175,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
                          warmup_s: float, duration_s: float, num_requests: int = 0, gamma: int | None = None,
                          max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, lag: int = DEFAULT_LAG,
                          min_gain: float = DEFAULT_MIN_GAIN, max_waiting_steps: int = 0,
-                         waiting_served_ratio: float = 0.25) -> Run:
+                         waiting_served_ratio: float = 0.25, lapse_after: int = DEFAULT_LAPSE_AFTER) -> Run:
     """One closed-loop run of `system` ("no-spec", "static", "compact", or a static/compact
     variant) in virtual time; the same loop, window and figures as bench_serve.engine_closed_loop."""
     spec = system != "no-spec"
@@ -169,11 +183,15 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
     if spec and (traces is None or traces.gamma != g):
         raise ValueError(f"{system} needs traces of gamma {g}")
     compact = system.startswith("compact")
-    # plain steps, and steps where only some requests draft, where drafting all does not pay
-    plain = cost.plain_step() if system in ("compact", "compact-no-partial") else None
+    # plain steps, and steps where only some requests draft, where drafting all does not pay;
+    # deep in a run of plain steps the drafter's context lapses (not in compact-keep)
+    lapse_after = 0 if system == "compact-keep" else lapse_after
+    plain = (cost.plain_step(lapse_after > 0) if system in ("compact", "compact-no-partial", "compact-keep")
+             else None)
     policy = (CostWindows(CostScheduler(g, max_num_seqs, mode="compact", cost_table=cost.table, lag=lag,
                                         min_gain=1e9 if system == "compact-no-trim" else min_gain, plain_table=plain,
-                                        share_tables=None if system == "compact-no-partial" else cost.partial_shares()))
+                                        share_tables=None if system == "compact-no-partial" else cost.partial_shares(),
+                                        lapse_after=lapse_after))
               if compact else StaticWindows(g))
     pick = trace_picker(traces if spec else None, len(work.prompts))
     free = list(range(max_num_seqs))[::-1]
@@ -240,7 +258,7 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             windows[drafting:] = 0
             K = wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap))   # as the ledger prices it
             if not drafting:                                # a plain step: the ledger's mark
-                K = -1
+                K = PLAIN if wp.upkeep else LAPSED
         t += cost.step_seconds(len(D), K, sum(n for _, n in chunks), spec, drafting)
         # commit
         finished = []
@@ -396,6 +414,7 @@ def simulate(args) -> dict:
     table = load_table(args.cost_table, args.table_key)
     plain = load_table(args.plain_table, args.plain_key, plain=True) if args.plain_table else None
     shares = load_shares(args.cost_table) if plain is not None else None
+    lapsed = load_lapsed(args.cost_table) if plain is not None else None
     if not args.traces and any(s != "no-spec" for s in args.systems):
         raise SystemExit("speculative systems replay acceptance traces: give --traces "
                          "(`bench serve --record-traces DIR`, a static run's)")
@@ -410,9 +429,11 @@ def simulate(args) -> dict:
         measured = json.loads(Path(args.calibrate_from).read_text())
         if args.calibrate_concurrency:       # fit on these runs only (hold the predicted ones out)
             measured["runs"] = [r for r in measured["runs"] if r["concurrency"] in args.calibrate_concurrency]
-        fits = calibrate(measured, StepCost(table, plain, shares=shares), by=args.calibrate_by)
-    costs = {s: StepCost(table, plain, **fits.get("plain" if s == "no-spec" else "spec", base), shares=shares)
-             for s in args.systems}
+        if args.calibrate_systems:           # ... or on these systems' runs only
+            measured["runs"] = [r for r in measured["runs"] if r["mode"] in args.calibrate_systems]
+        fits = calibrate(measured, StepCost(table, plain, shares=shares, lapsed=lapsed), by=args.calibrate_by)
+    costs = {s: StepCost(table, plain, **fits.get("plain" if s == "no-spec" else "spec", base), shares=shares,
+                         lapsed=lapsed) for s in args.systems}
     tok = Tokenizer(resolve_model_dir(args.model))
     work = make_workload(tok, args.workload, args.prompts, args.prompt_tokens, args.output_len, args.output_spread,
                          args.seed, args.data_dir)
@@ -427,7 +448,8 @@ def simulate(args) -> dict:
               "inputs": {"cost_table": args.cost_table, "table_key": args.table_key, "plain_table": args.plain_table,
                          "traces": args.traces, "traces_tau": traces.tau() if traces else None,
                          "censored_steps": traces.censored() if traces else 0, "traces_meta": traces.meta if traces else {}},
-              "step_cost": {s: {k: v for k, v in vars(c).items() if k not in ("table", "plain", "shares")} for s, c in costs.items()},
+              "step_cost": {s: {k: v for k, v in vars(c).items() if k not in ("table", "plain", "shares", "lapsed")}
+                            for s, c in costs.items()},
               "calibrated_from": args.calibrate_from, "calibrated_by": args.calibrate_by if args.calibrate_from else None,
               "calibrated_on": args.calibrate_concurrency, "runs": rows, "sweep": median_rows(rows)}
     result["paired"] = paired_ratios(rows)
@@ -474,6 +496,8 @@ def add_simulate_args(p) -> None:
                         "loop, where a prefill's GPU time lands in the steps after it)")
     p.add_argument("--calibrate-concurrency", type=int, nargs="+", default=None,
                    help="fit on the runs of these concurrencies only (default: all), to predict the others")
+    p.add_argument("--calibrate-systems", nargs="+", default=None,
+                   help="fit on these systems' runs only (default: all), e.g. no-spec static to predict compact")
     p.add_argument("--compare", default=None, help="a `bench serve` JSON to print the prediction against")
     p.add_argument("--model", default=None, help="whose tokenizer measures the prompts (as bench serve did)")
     p.add_argument("--workload", default="mix", choices=WORKLOADS, help="prompt set the requests are drawn from")

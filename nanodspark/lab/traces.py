@@ -179,6 +179,7 @@ class TraceRecorder:
 # ----------------------------------------------------------------------------- the ledger
 LEDGER_FIELDS = ("t", "step", "seconds", "decode", "verified", "accepted", "budget", "prefill_rows",
                  "recompute_rows", "prefill_chunks", "kv_used", "drafting")
+PLAIN, LAPSED = -1, -2       # the budget column's marks of plain steps (keeping, or letting lapse, the drafter's context)
 
 
 class StepLedger:
@@ -186,7 +187,8 @@ class StepLedger:
 
     Columns (LEDGER_FIELDS): the clock when the step was committed, the step index, its seconds
     (launch to result), decoding requests, drafts verified and accepted, the budget K the
-    window policy planned (R * gamma for full blocks, 0 without a drafter, -1 for a plain step), prefill rows, of
+    window policy planned (R * gamma for full blocks, 0 without a drafter, `PLAIN` for a plain step,
+    `LAPSED` for one that lets the drafter's context lapse), prefill rows, of
     which recomputed (preempted requests), prefill chunks, and the share of KV blocks in use
     after the commit (reserved ahead for verify windows included), and the decoding requests that
     ran the drafter's pass (fewer than all when the cost scheduler drafted for some only).
@@ -212,7 +214,7 @@ class StepLedger:
 
         def recording_plan(requests, step):
             wp = plan(requests, step)
-            led._budgets[step] = (-1 if not wp.draft          # a plain step: no drafter pass
+            led._budgets[step] = ((PLAIN if wp.upkeep else LAPSED) if not wp.draft   # no drafter pass
                                   else wp.budget if wp.trim or wp.window_cap is None else int(sum(wp.window_cap)))
             return wp
         sched.preempt, policy.plan = counting_preempt, recording_plan
