@@ -9,9 +9,9 @@ accepts drafts, and the next step reads them there (SGLang's future map indexed 
 slot; vLLM's async scheduling). The host learns them one step late (engine.py `step`).
 
 The host writes only what it decides or knows: a request's sampling parameters, limits and
-sliding-window start when it is admitted (its drafter context then starts at 0; a lapsed plain
-step moves `draft_start` on the device, speculative.py), its anchor and length when it becomes decoding
-without a sampling step on the device (its prefill ended one token short of the end, or a
+sliding-window start when it is admitted (its drafter context then starts at 0; a lapsed
+plain step moves `draft_start` on the device, speculative.py), its anchor and length when it
+becomes decoding without a sampling step on the device (its prefill ended one token short of the end, or a
 prefix hit left only the last token), and the block-table entries it allocates. `StateWrites` collects those writes during scheduling
 and `apply` turns them into a few host-to-device copies on the step's stream, so they are ordered
 after every step already launched (a recycled slot is never overwritten under a running step).

@@ -22,9 +22,10 @@ CUDA graph (ragged_graphs.py) and the next step can be launched before this one'
 reached the host (engine.py `step`).
 
 Invariants: a request's `seq_len` advances by exactly the rows whose KV is now valid (anchor +
-accepted drafts); the drafter's context covers exactly the committed positions from `draft_start` on; a window never
-lets a request run past its limit (`limit_len`: max_tokens or max_model_len); a padding row
-(the scratch slot, or a request already at its limit) computes nothing that is kept.
+accepted drafts); the drafter's context covers exactly the committed positions from
+`draft_start` on; a window never lets a request run past its limit (`limit_len`: max_tokens or
+max_model_len); a padding row (the scratch slot, or a request already at its limit) computes
+nothing that is kept.
 """
 from __future__ import annotations
 

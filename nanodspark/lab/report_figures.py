@@ -39,6 +39,12 @@ _SMOL = "smollm2-135m (random weights)"
 _APIS = "a:summary[call={call},side=n{n},concurrency=%d,clients=%d]"
 
 
+def _paired_cell(ratio: str) -> str:
+    """A sweep's paired ratio at concurrency {c}: the median of its rounds (min–max)."""
+    return (f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={ratio}].min|.2f>–"
+            f"<paired[concurrency={{c}},ratio={ratio}].max|.2f>)").replace("{r}", ratio)
+
+
 def _ratio_range(row: str) -> str:
     return f"<{row}.over_in_process|.2f> (<{row}.over_in_process_min|.2f>–<{row}.over_in_process_max|.2f>)"
 
@@ -534,8 +540,7 @@ FIGURES = [
            ["concurrency", "no-spec tok/s", "static tok/s", "compact tok/s", "static / no-spec", "compact / no-spec",
             "compact / static", "A/A: static-b / static", "compact: plain steps / steps"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "static", "compact")]
-            + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-               f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+            + [_paired_cell(r)
                for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
             + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
            [{"c": c} for c in (1, 16, 64, 128, 256)]),
@@ -546,8 +551,7 @@ FIGURES = [
            "the clock's two runs",
            ["concurrency", "static / no-spec", "compact / no-spec", "step clock / no-spec", "step clock / compact",
             "step clock: plain steps / steps, by round"],
-           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+           [["{c}"] + [_paired_cell(r)
                        for r in ("static/no-spec", "compact/no-spec", "compact-clock/no-spec", "compact-clock/compact")]
             + [" · ".join(f"<runs[mode=compact-clock,concurrency={{c}},repeat={i}].accounting.plain_steps|.0f> / "
                           f"<runs[mode=compact-clock,concurrency={{c}},repeat={i}].accounting.steps|.0f>" for i in (0, 1))]],
@@ -586,8 +590,7 @@ FIGURES = [
            "rotating order, paired medians (min–max), another call",
            ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
             "no-spec tok/s, by round", "static-b tok/s, by round"],
-           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+           [["{c}"] + [_paired_cell(r)
                        for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
             + [" · ".join(f"<runs[mode={m},concurrency={{c}},repeat={i}].total_tok_s|,.0f>" for i in (0, 1))
                for m in ("no-spec", "static-b")]],
@@ -732,8 +735,7 @@ FIGURES = [
             "compact, context kept / no-spec", "compact / context kept", "compact / static", "A/A: static-b / static",
             "compact: plain steps / steps"],
            [["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", m) for m in ("no-spec", "compact")]
-            + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-               f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+            + [_paired_cell(r)
                for r in ("static/no-spec", "compact/no-spec", "compact-keep/no-spec", "compact/compact-keep",
                          "compact/static", "static-b/static")]
             + [f"<{_ACC.format(m='compact')}.plain_steps|.0f> / <{_ACC.format(m='compact')}.steps|.0f>"]],
@@ -753,8 +755,7 @@ FIGURES = [
            "paired medians (min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
            ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
             "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
-           [["{c}"] + [f"<{_PAIRED}|.2f> (<paired[concurrency={{c}},ratio={r}].min|.2f>–"
-                       f"<paired[concurrency={{c}},ratio={r}].max|.2f>)".replace("{r}", r)
+           [["{c}"] + [_paired_cell(r)
                        for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
             + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
                for m in ("no-spec", "compact")]],
