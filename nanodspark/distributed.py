@@ -25,7 +25,7 @@ One engine, N workers (`Parallel`)
     with that message); if the step is stuck inside a device collective that never returns
     (NCCL), the watcher ends rank 0 after the timeout with the same message rather than hang.
 
-CUDA graphs and the overlapped loop (tested over NCCL where two GPUs are; not run on two yet)
+CUDA graphs and the overlapped loop (tested over NCCL where two GPUs are)
     Each rank captures its own graphs at start-up, in the same tier order: rank 0 sends
     "capture" once the workers serve (the capture runs the step, collectives included, so all
     ranks must capture together); NCCL all-reduces are recorded

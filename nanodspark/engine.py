@@ -169,19 +169,23 @@ class LLMEngine:
         self.clock = PhaseClock()             # host time per phase of `step` (an observer of the phases)
         self.in_flight = None                 # the overlapped step launched and not yet committed
         self._graphs = dict(plain_steps=self.plain_steps, shares=self.draft_shares,
-                            lapse=bool(getattr(getattr(self.windows, "scheduler", None), "lapse_after", 0)))
+                            lapse=bool(getattr(self._cost_scheduler, "lapse_after", 0)))
         if self.parallel is None:
             w.capture(**self._graphs)
 
     @property
+    def _cost_scheduler(self):
+        return getattr(self.windows, "scheduler", None)     # None: static windows
+
+    @property
     def plain_steps(self) -> bool:
         """May this engine run plain steps (compact with the target's own profile, cost_scheduler.py)?"""
-        return getattr(getattr(self.windows, "scheduler", None), "plain_table", None) is not None
+        return getattr(self._cost_scheduler, "plain_table", None) is not None
 
     @property
     def draft_shares(self) -> tuple[float, ...]:
         """The shares of a batch that may draft alone (profiled in the cost file; cost_scheduler.py)."""
-        return tuple(sorted(getattr(getattr(self.windows, "scheduler", None), "share_tables", {}) or ()))
+        return tuple(sorted(getattr(self._cost_scheduler, "share_tables", {}) or ()))
 
     def _window_policy(self):
         from .cost_scheduler import CostScheduler
