@@ -45,7 +45,7 @@ class RunningBatch:
         self.text = np.zeros(S, dtype=bool)              # needs text every step (streams, or has stop strings)
         self.decoding = np.zeros(S, dtype=bool)          # in the decode set (scheduler.py)
         self.reserved = np.zeros(S, dtype=np.int64)      # positions every KV group's table covers
-        self.lapsed = np.zeros(S, dtype=bool)            # its drafter context lapsed: publish no more draft blocks
+        self.lapsed = np.zeros(S, dtype=bool)            # its drafter context lapsed: what it publishes holds none
         self.spec = np.zeros((S, len(SPEC)), dtype=np.int64)
         self.out_len = np.zeros(S, dtype=np.int64)
         self.out = np.zeros((S, capacity), dtype=np.int32)

@@ -453,8 +453,8 @@ class EngineConfig:
     verify_lag: int = knob(2, "steps between the confidences that size the budget and now (>= 1)", "speculation")
     verify_plain_steps: bool = knob(True, "compact: a plain step (no drafter pass) where the target's own profile, "
                                           "in the cost table's file, says drafting does not pay", "speculation")
-    verify_plain_hold: int = knob(8, "compact: steps a plain-step choice holds while the batch does not grow and "
-                                     "no drafted confidences arrive (1 = choose at every step)", "speculation")
+    verify_plain_hold: int = knob(8, "compact: steps a plain-step choice holds while no drafted confidences arrive "
+                                     "(1 = choose at every step)", "speculation")
     verify_lapse_after: int = knob(16, "compact: plain steps in a row after which a plain step stops feeding the "
                                        "drafter's context (0 = never); a request that drafts again reads only the "
                                        "context fed since", "speculation")

@@ -300,7 +300,7 @@ class CostScheduler:
         # (0: never): a run that long says the load holds, and upkeep is what a plain step pays
         # beyond the target's own step; a request that drafts again reads the context fed since
         self.lapse_after, self._plain_run = lapse_after, 0
-        self._held: tuple[int, int] | None = None     # a plain streak's (step it ends, most rows)
+        self._held: int | None = None                 # the step a plain streak's hold ends
         self._all_held: tuple[int, int] | None = None # the same for a clear choice of every row drafting
         # the engine's step clock: per kind (0: plain, 1: every row drafting), decayed sums of
         # measured and predicted seconds and the steps timed (`time_step`)
@@ -352,16 +352,18 @@ class CostScheduler:
         step), the best budget over the top ceil(f * R) rows is priced by that share's profile.
         Returns the best such step if its expected tokens per second (`budget_from_lagged`'s
         objective) beat every step where all rows draft by more than min_gain; else None. A
-        plain step, once chosen, holds for `plain_hold` steps unless the batch grows or drafted
-        confidences arrive (`record`): the lag makes any choice lossless, and this one saves the
-        host a choice per step that would read the same relay. So does every row drafting when
+        plain step, once chosen, holds for `plain_hold` steps unless drafted confidences arrive
+        (`record`): the lag makes any choice lossless, and this one saves the host a choice per
+        step that would read the same relay. A bigger batch does not end it: verifying drafts only
+        costs more there, and its newcomers (counted at the running mean) are read when the hold
+        ends. So does every row drafting when
         it beat each alternative by more than min_gain, unless the batch grows (and unless the
         step clock is on): a choice that clear does not turn on one step's news, and it is the
         host's work of every step on a pair where drafting always pays."""
         if self.plain_table is None or self.effective_mode() != "compact":
             return None
         R, g = len(slot_ids), self.gamma
-        if self._held is not None and step < self._held[0] and R <= self._held[1]:
+        if self._held is not None and step < self._held:
             return self._plain(DraftChoice(0.0, None, 0, float(self.plain_table.curve(R, 0)[0])))  # still plain
         if self._all_held is not None and step < self._all_held[0] and R <= self._all_held[1]:
             self._plain_run = 0
@@ -395,7 +397,7 @@ class CostScheduler:
         clear = everyone > (1.0 + self.min_gain) * best and not self.step_clock
         choice = choice if best > (1.0 + self.min_gain) * everyone else None
         plain = choice is not None and choice.fraction == 0.0
-        self._held = (step + self.plain_hold, R) if plain else None
+        self._held = step + self.plain_hold if plain else None
         self._all_held = (step + self.plain_hold, R) if clear else None
         if plain:
             return self._plain(choice)

@@ -157,7 +157,8 @@ class LLMEngine:
         from .swa_replay import look_back
         self.overlap = cfg.overlap and self.device.type == "cuda"    # launch step n+1 before committing n
         self.batch = RunningBatch(cfg.max_num_seqs)
-        self.scheduler = Scheduler(cfg, mc, managers, look_back(self.gamma, 2 if self.overlap else 1), self.batch)
+        self.scheduler = Scheduler(cfg, mc, managers, look_back(self.gamma, 2 if self.overlap else 1), self.batch,
+                                   w.draft_group)
         self.writes = StateWrites()
         self.windows = self._window_policy()
         from .observers import SpecMetrics

@@ -155,6 +155,10 @@ class BlockManager:
         cap = (len(token_ids) - 1) // self.block_size * self.block_size
         return len(self._lookup(token_ids, cap)[0]) * self.block_size
 
+    def prefix_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The cached blocks a prompt's first `max_tokens` tokens would hit (no side effects)."""
+        return self._lookup(token_ids, max_tokens)[0]
+
     def allocate_prompt(self, token_ids: Sequence[int],
                         max_cached_tokens: int | None = None) -> BlockTable:
         """A new table holding the prompt: cached prefix blocks shared, the rest fresh."""

@@ -64,11 +64,16 @@ class Scheduler:
     """Admission, chunked prefill, preemption. Owns the queues and the block managers."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, managers: dict[str, BlockManager],
-                 look_back: int = 0, batch: RunningBatch | None = None):
+                 look_back: int = 0, batch: RunningBatch | None = None, draft_group: str | None = None):
         """look_back: rows a decoding request may write past its frontier and take back
         (`swa_replay.look_back`), for `swa_replay_tokens="auto"`. batch: the running requests'
-        host arrays (batch.py; the engine's, or one of the scheduler's own)."""
+        host arrays (batch.py; the engine's, or one of the scheduler's own). draft_group: the
+        group whose blocks also hold the drafter's context ("full", shared; "draft", its own)."""
         self.cfg, self.model_cfg, self.managers = cfg, model_cfg, managers
+        self.draft_group = draft_group
+        # shared with the full group: its published blocks that hold no drafter context (filled
+        # by a request whose context had lapsed); a prefix hit stops before the first of them
+        self.no_context = np.zeros(managers["full"].num_blocks, dtype=bool) if draft_group == "full" else None
         self.batch = batch if batch is not None else RunningBatch(cfg.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}           # admission order (a dict: O(1) removal)
@@ -113,6 +118,9 @@ class Scheduler:
         ids = req.all_ids
         cached = {g: bm for g, bm in self.managers.items() if g != "sliding"}
         cap = min((bm.match_prefix(ids) for bm in cached.values()), default=0)  # a hit must hold in every group
+        if cap and self.no_context is not None:     # ... and hold the drafter's context
+            hits = self.managers["full"].prefix_blocks(ids, cap)
+            cap = next((i for i, b in enumerate(hits) if self.no_context[b]), len(hits)) * self.cfg.block_size
         tables, snap, key = {}, None, None
         try:
             for g, bm in cached.items():
@@ -222,7 +230,12 @@ class Scheduler:
             elif bm.enable_prefix_cache:                # the unpublished tail only: O(new), not O(length)
                 start = bm.published_tokens(t)
                 if req.num_computed - start >= bs:
+                    first = t.num_hashed_blocks
                     bm.commit(t, req.ids(start, req.num_computed), start)
+                    if g == self.draft_group == "full":   # the blocks it published: with its context?
+                        for b in t.blocks[first:t.num_hashed_blocks]:
+                            if b != -1 and bm.block_hash[b] is not None:      # (not: another's was first)
+                                self.no_context[b] = self.batch.lapsed[req.slot]
 
     # -- one step ---------------------------------------------------------------------------
     @staticmethod

@@ -69,7 +69,14 @@ class Worker:
         self.num_blocks = num_blocks
         self.kv_cache = KVCache(self.kv_config, {g: num_blocks for g in ("full", "sliding")}, cfg.block_size,
                                 self.dtype, self.device)
-        self.groups = list(self.kv_cache.groups) + (["draft"] if drafter is not None else [])
+        # the KV groups whose blocks the host allocates. The drafter's context cache is indexed by
+        # the full-attention group's blocks (a position's context K/V sits in the block of its
+        # target K/V): one allocation and one table serve both; a model with sliding layers only
+        # gives the drafter a group of its own
+        self.groups = list(self.kv_cache.groups)
+        self.draft_group = None if drafter is None else "full" if "full" in self.groups else "draft"
+        if self.draft_group == "draft":
+            self.groups.append("draft")
         self.draft_cache = None
         if drafter is not None:
             dc = drafter.config
@@ -78,6 +85,8 @@ class Worker:
         decode_rows = 1 + self.gamma
         max_blocks = -(-(self.max_model_len + 2 * decode_rows) // cfg.block_size)
         self.state = DeviceState(cfg.max_num_seqs, self.groups, max_blocks, self.device)
+        if self.draft_group is not None:
+            self.state.tables["draft"] = self.state.tables[self.draft_group]    # the same tensor
         self.verify_mode = VerifyMode.parse(cfg.verify_mode)
         tp = parallel.tp if parallel is not None else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.state, self.ops, cfg.block_size, drafter,

@@ -525,21 +525,21 @@ def test_drafting_pays_only_where_the_plain_step_does_not_win():
     assert static.drafting_pays(range(8), range(8), step=2)
 
 
-def test_a_plain_choice_holds_until_the_batch_grows_or_drafted_confidences_arrive(monkeypatch):
+def test_a_plain_choice_holds_until_drafted_confidences_arrive_whatever_the_batch(monkeypatch):
     """A plain step brings no confidences, so its choice holds `plain_hold` steps without reading
-    the relay; a bigger batch, drafted confidences or the hold's end make a fresh choice, and a
-    fresh choice that says draft ends the streak. plain_hold=1 chooses at every step."""
+    the relay, at a smaller or a bigger batch; drafted confidences or the hold's end make a fresh
+    choice, and a fresh choice that says draft ends the streak. plain_hold=1 chooses at every step."""
     spec = CostTable({(b, k): 1e-3 * (3 + 0.1 * k) for b in (1, 8) for k in range(0, 4 * b + 1)})
     cheap = CostTable({(b, 0): 1e-3 for b in (1, 8)})
     s = CostScheduler(4, 8, mode="compact", cost_table=spec, plain_table=cheap, plain_hold=3)
     s.record(0, range(8), range(8), np.full((8, 4), 0.5, np.float32))
-    assert s.draft_choice(range(8), range(8), step=2).fraction == 0.0        # chosen: plain
+    assert s.draft_choice(range(5), range(5), step=2).fraction == 0.0        # chosen: plain, 5 rows
     reads = []
     real = s.relay.lagged_np
     monkeypatch.setattr(s.relay, "lagged_np", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
-    s.record(2, range(8), range(8), np.zeros((8, 4), np.float32), drafted=False)
-    assert s.draft_choice(range(6), range(6), step=3).fraction == 0.0 and reads == []   # held (two left)
-    assert s.draft_choice(range(7), range(7), step=4).fraction == 0.0 and reads == []
+    s.record(2, range(5), range(5), np.zeros((5, 4), np.float32), drafted=False)
+    assert s.draft_choice(range(4), range(4), step=3).fraction == 0.0 and reads == []   # held (two left)
+    assert s.draft_choice(range(8), range(8), step=4).fraction == 0.0 and reads == []   # a bigger batch too
     assert s.draft_choice(range(8), range(8), step=5).fraction == 0.0 and reads == [5]  # the hold's end
     s.draft_choice(range(8), range(20, 28), step=6)
     assert reads == [5]                                                       # held again, from step 5
@@ -757,8 +757,9 @@ def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
     """Plain steps 3-9, of which 5-9 let the drafter's context lapse, then every row drafts again:
     greedy output equals the target alone; each request's `draft_start` moved past the lapse;
     the drafter reads nothing below it (the whole draft cache is NaN when drafting resumes, yet
-    every drafted confidence is finite); and the lapsed requests publish no draft blocks past it
-    (the draft group's prefix cache ends up smaller than the target's, equal without a lapse)."""
+    every drafted confidence is finite); and what the lapsed requests publish is marked as holding
+    no drafter context, so a later prompt over the same tokens hits the cache only up to it (the
+    whole published prefix without a lapse)."""
     from conftest import make_hf_model, random_drafter
     from nanodspark import LLM, SamplingParams
     from nanodspark.loader import load_model
@@ -794,10 +795,18 @@ def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
         eng.windows = policy = Lapse(eng, lapse)
         assert [o.token_ids for o in llm.generate(ps, greedy)] == want
         starts = eng.state.draft_start[:len(ps)]
-        managers = eng.scheduler.managers
+        assert eng.worker.draft_group == "full" and eng.state.tables["draft"] is eng.state.tables["full"]
+        no_context = eng.scheduler.no_context
         if lapse:
             assert (starts > torch.tensor([len(p) for p in ps], dtype=torch.int32)).all(), starts
             assert policy.conf and all(np.isfinite(c).all() for c in policy.conf)
-            assert len(managers["draft"].cache) < len(managers["full"].cache)
+            assert no_context.any()
         else:
-            assert (starts == 0).all() and len(managers["draft"].cache) == len(managers["full"].cache)
+            assert (starts == 0).all() and not no_context.any()
+        ids = ps[2] + want[2]                              # the same tokens again: a prefix hit
+        chain = eng.scheduler.managers["full"].prefix_blocks(ids, (len(ids) - 1) // 4 * 4)
+        holes = [i for i, b in enumerate(chain) if no_context[b]]
+        again = eng.add_request(ids)
+        eng.step()
+        assert len(chain) >= 6 and bool(holes) == lapse
+        assert again.tables["full"].num_cached_tokens == 4 * (holes[0] if holes else len(chain))

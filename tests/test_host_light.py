@@ -41,3 +41,46 @@ def test_host_work_per_step_at_256_is_at_most_1_5x_that_at_64(tiny_dir, tmp_path
         torch.set_num_threads(threads)
     at_64, at_256 = min(ms[64]), min(ms[256])
     assert at_256 <= 1.5 * at_64, (ms[64], ms[256])
+
+
+def test_a_steps_state_writes_travel_in_one_copy_and_land_field_by_field():
+    """`DeviceState.apply` packs every write of a step (parameters, anchors, the entries of every
+    group's tables) into one copy, through two staging buffers used in turn. Plausible bugs: a
+    field read from the wrong column, a seed or a temperature mangled by the packing (all 64 bits
+    of a seed; a float through its bits), one group's entries landing in another's table, the
+    buffer of the step before overwritten by the next (on a GPU its copy may still be queued),
+    a write too large for the buffer."""
+    import numpy as np
+
+    from nanodspark.device_state import DeviceState, StateWrites
+
+    st = DeviceState(4, ["full", "draft"], 8, "cpu")
+    sends = []
+    real = st._send
+    st._send = lambda a: sends.append(a.copy()) or real(a)
+    st.draft_start[:] = 7
+    w = StateWrites()
+    w.params += [(1, 300, 16, 40, -2**63, 0.7, 0.95), (3, 90, 0, 0, 2**63 - 1, 0.0, 1.0)]
+    w.anchors.append((2, 17, 12345))
+    w.tables["full"] = [(1, 0, 5), (1, 1, 6)]
+    w.tables["draft"] = [(1, 0, 9), (3, 2, 4)]
+    st.apply(w)
+    assert len(sends) == 1 and not (w.params or w.anchors or w.tables)
+    assert st.limit_len.tolist()[1::2] == [300, 90] and st.kv_start.tolist()[1::2] == [16, 0]
+    assert st.top_k.tolist()[1::2] == [40, 0] and st.seed.tolist()[1::2] == [-2**63, 2**63 - 1]
+    assert st.temperature[1].item() == torch.tensor(0.7).item() and st.top_p[3].item() == 1.0
+    assert st.draft_start.tolist() == [7, 0, 7, 0, 7]              # admitted slots start at 0
+    assert (st.seq_len[2].item(), st.last_token[2].item()) == (17, 12345)
+    assert st.tables["full"][1, :2].tolist() == [5, 6] and st.tables["full"][3].tolist() == [-1] * 8
+    assert st.tables["draft"][1, :2].tolist() == [9, -1] and st.tables["draft"][3, 2].item() == 4
+    w.tables["draft"] = [(0, c, 100 + c) for c in range(8)] * 40        # 1,280 values: the buffers grow
+    st.apply(w)
+    assert st.tables["draft"][0].tolist() == [100 + c for c in range(8)]
+    assert st._hosts[0].numel() >= 1280 and st.tables["full"][0].tolist() == [-1] * 8
+    w.anchors.append((0, 3, 4))
+    st.apply(w)
+    w.anchors.append((0, 5, 6))
+    st.apply(w)                                   # a write in each turn: the other turn's buffer is kept
+    assert np.array_equal(st._hosts[st._turn ^ 1][:3].numpy(), [0, 3, 4]) and st.seq_len[0].item() == 5
+    st.apply(StateWrites())                       # nothing to write: no copy
+    assert len(sends) == 4

@@ -100,7 +100,8 @@ def _oracle(eng, continuations: dict, corrupt: float = 0.35, seed: int = 0):
 
     class Oracle:
         def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream, kv_start=None):
-            by_block = {r.tables["draft"].blocks[0]: r for r in eng.scheduler.running if r.tables.get("draft")}
+            dg = eng.worker.draft_group
+            by_block = {r.tables[dg].blocks[0]: r for r in eng.scheduler.running if r.tables.get(dg)}
             toks = torch.zeros(len(anchors), g, dtype=torch.long)
             conf = torch.full((len(anchors), g), 0.5)
             for i, (b, p) in enumerate(zip(block_tables[:, 0].tolist(), anchor_pos.tolist())):

@@ -37,7 +37,8 @@ class OracleDrafter:
         self.eng, self.config = eng, eng.executor.spec.drafter.config
 
     def propose(self, anchors, anchor_pos, cache, block_tables, block_size, st, ops, stream, kv_start=None):
-        by_block = {r.tables["draft"].blocks[0]: r for r in self.eng.scheduler.running if r.tables.get("draft")}
+        dg = self.eng.worker.draft_group    # the group whose tables the drafter reads
+        by_block = {r.tables[dg].blocks[0]: r for r in self.eng.scheduler.running if r.tables.get(dg)}
         first = block_tables[:, 0].tolist()
         g = self.config.gamma
         rows = [dense_greedy(self.eng.model, by_block[b].all_ids, g) if b in by_block else [0] * g for b in first]
@@ -367,7 +368,7 @@ def _draft_context(llm, prompt, n):
     class Blocks:
         def observe(self, result):
             for r in eng.scheduler.running:
-                seen["blocks"] = list(r.tables["draft"].blocks)
+                seen["blocks"] = list(r.tables[eng.worker.draft_group].blocks)
     eng.extra_observers.append(Blocks())
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
     bs, L = eng.config.block_size, len(prompt) + n - 1           # the last token never reached the target
