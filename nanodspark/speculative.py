@@ -60,7 +60,7 @@ class DecodeBatch:
 @dataclass
 class DecodeOut:
     """What one decode step did, per request slot of the batch (device tensors; on the host, after
-    `unpack`, numpy arrays)."""
+    `unpack`, numpy arrays). A plain step's has no draft columns (gamma reads 0 below)."""
     tokens: torch.Tensor       # int64 [R, gamma + 1]: committed tokens are tokens[r, :count[r]]
     drafts: torch.Tensor       # int64 [R, gamma]: the proposed drafts (the ceiling estimator settles trimmed ones)
     count: torch.Tensor        # int64 [R]: tokens committed (accepted + 1; 0 for padding)
@@ -180,10 +180,9 @@ class SpecStep:
                      + torch.minimum(torch.arange(g + 1, device=dev)[None, :], (rows - 1).clamp(min=0)[:, None]))
         # a NaN or inf in one request's rows fails that request alone (the engine finishes it)
         finite = torch.isfinite(logits).all(-1)[row_index.clamp(0, tokens_tier - 1)].all(1).long()
-        if not D:                        # the anchor row only: the target's token, padded to the block
-            v = verify_batch(drafts[:, :0], None, logits, row_index[:, :1].clamp(0, tokens_tier - 1), samp,
-                             anchor_pos, verified, cap, greedy_only, self.coupled)
-            verdict = dataclasses.replace(v, tokens=torch.cat([v.tokens, drafts], 1))
+        if not D:                        # the anchor row only: the target's token
+            verdict = verify_batch(drafts[:, :0], None, logits, row_index[:, :1].clamp(0, tokens_tier - 1), samp,
+                                   anchor_pos, verified, cap, greedy_only, self.coupled)
         elif self.synthetic is not None:
             verdict = self.synthetic.verdict(drafts, logits, row_index.clamp(0, tokens_tier - 1), st.seed[b.slots],
                                              anchor_pos, verified, cap, law_rate)
@@ -201,5 +200,6 @@ class SpecStep:
             self.drafter.inject(out.captured, pos, torch.where(committed, kv_index, -1), self.draft_cache, self.ops)
         elif self.drafter is not None:   # lapsed: the context starts again after this step's tokens
             st.draft_start[b.slots] = torch.where(active, st.seq_len[b.slots], st.draft_start[b.slots]).int()
-        return DecodeOut(verdict.tokens, drafts, count, windows, verified, verdict.ceiling, finite, drafted.long(),
-                         conf, conf_logits)
+        w = g if D else 0                # a plain step's result has no draft columns: less to copy and commit
+        return DecodeOut(verdict.tokens, drafts[:, :w], count, windows, verified, verdict.ceiling, finite,
+                         drafted.long(), conf[:, :w], conf_logits[:, :w])

@@ -204,4 +204,5 @@ class Executor:
             event = torch.cuda.Event()
             event.record()
         graphed = tier is not None and self.graphs.captured(tier, variant)
-        return StepHandle(plan, step, self.gamma, host[0], tuple(host[1:]), event, t0, tier if graphed else None)
+        width = self.gamma if R and plan.windows.draft else 0     # a plain step's result has no draft columns
+        return StepHandle(plan, step, width, host[0], tuple(host[1:]), event, t0, tier if graphed else None)

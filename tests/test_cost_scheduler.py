@@ -775,7 +775,7 @@ def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
 
     class Lapse(WindowPolicy):
         def __init__(self, eng, lapse):
-            self.eng, self.lapse, self.conf = eng, lapse, []
+            self.eng, self.lapse, self.conf, self.widths = eng, lapse, [], set()
 
         def plan(self, rows, step):
             if 3 <= step < 10:
@@ -788,12 +788,15 @@ def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
             d = result.decode
             if d is not None and len(d.slots) and result.step >= 10:
                 self.conf.append(d.out.conf[d.out.drafted != 0])
+            if d is not None and len(d.slots) and 3 <= result.step < 10:   # a plain step: no draft columns
+                self.widths.add((d.out.tokens.shape[1], d.out.drafts.shape[1], d.out.conf.shape[1]))
 
     for lapse in (True, False):
         llm = LLM(str(out), **kw)
         eng = llm.engine
         eng.windows = policy = Lapse(eng, lapse)
         assert [o.token_ids for o in llm.generate(ps, greedy)] == want
+        assert policy.widths == {(1, 0, 0)}
         starts = eng.state.draft_start[:len(ps)]
         assert eng.worker.draft_group == "full" and eng.state.tables["draft"] is eng.state.tables["full"]
         no_context = eng.scheduler.no_context

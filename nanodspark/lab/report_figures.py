@@ -761,6 +761,41 @@ FIGURES = [
                for m in ("no-spec", "compact")]],
            [{"c": c} for c in (64, 128, 256)]),
 
+    Figure("host-probe-smollm2-shared", {"b": "benchmarks/plain_probe_smollm2_256_shared_h200.json"},
+           H200 + "; as the probe above at batch 256, with a step's state writes in one copy and the drafter's "
+                  "context on the target's block tables; the host's milliseconds per phase, unprofiled; one call",
+           ["engine", "ms per step", "device µs per step", "host ms: schedule · launch · commit"],
+           [["{e}", "<b:step_ms.{e}.median|.3f>", "<b:device_us_per_step.{e}|,.0f>",
+             " · ".join(f"<b:host_ms_per_step.{{e}}.{ph}|.2f>" for ph in ("schedule", "launch", "commit"))]],
+           [{"e": e} for e in ("target alone", "compact, plain step", "compact, lapsed plain step")]),
+
+    Figure("thesis-smollm2-shape-shared", {"s": "benchmarks/steady_state_smollm2_shape_shared_h200.json"},
+           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, mix "
+           "workload, greedy, prefix cache off, on the lapse sweep's profiles (`.carry/smol/cost_lapse.json` is "
+           "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`); a step's state writes in one copy, the "
+           "drafter's context on the target's block tables, the plain hold kept when the batch grows; two rounds "
+           "in rotating order, paired medians (min–max); the host's seconds in each phase of the 5 s window "
+           "(median over rounds)",
+           ["concurrency", "no-spec tok/s", "static / no-spec", "compact / no-spec", "compact / static",
+            "A/A: static-b / static", "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
+           [["{c}", f"<{_SS}|,.0f>".replace("{m}", "no-spec")]
+            + [_paired_cell(r) for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
+               for m in ("no-spec", "compact")]],
+           [{"c": c} for c in (16, 64, 128, 256)]),
+
+    Figure("thesis-smollm2-shape-shared-rounds",
+           {"s": "benchmarks/steady_state_smollm2_shape_shared_rounds_h200.json"},
+           H200 + "; as the sweep above, at load only, three rounds in rotating order, another call; paired medians "
+           "(min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
+            "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
+           [["{c}"] + [_paired_cell(r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
+               for m in ("no-spec", "compact")]],
+           [{"c": c} for c in (64, 128, 256)]),
+
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
            "and the static traces of the measured sweep at 128, prefill priced at 5 ms + 30 µs per token (assumed)",

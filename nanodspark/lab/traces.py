@@ -58,7 +58,7 @@ def step_arrays(result, gamma: int) -> StepArrays:
     if rows:
         o = d.out
         ids = [r.request_id for r in d.requests.tolist()]
-        conf = o.conf.astype(np.float32).reshape(rows, gamma)
+        conf = o.conf.astype(np.float32).reshape(rows, -1) if o.conf.shape[1] else np.zeros((rows, gamma), np.float32)
         win, ver, acc = o.windows.astype(np.int64), o.verified.astype(np.int64), d.accepted.astype(np.int64)
         # the leading run of accepted drafts is the full block's acceptance where the whole block was scored
         # (static, cap-accept); a trimmed compact row has none (-1)
