@@ -796,6 +796,18 @@ FIGURES = [
                for m in ("no-spec", "compact")]],
            [{"c": c} for c in (64, 128, 256)]),
 
+    Figure("thesis-smollm2-shape-narrow", {"s": "benchmarks/steady_state_smollm2_shape_narrow_h200.json"},
+           H200 + "; as the sweep above, at 256 only, a plain step's result without draft columns, two rounds in "
+           "rotating order, another call (on a machine whose host kept this 256 batch GPU-bound: no-spec waited "
+           "for the GPU 1.0 ms a step); paired medians (min–max); host milliseconds per step",
+           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
+            "host ms, launch · commit: no-spec", "the same: compact"],
+           [["{c}"] + [_paired_cell(r)
+                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
+            + [" · ".join(f"<sweep[mode={m},concurrency={{c}}].phase_ms.{ph}|.2f>" for ph in ("launch", "commit"))
+               for m in ("no-spec", "compact")]],
+           [{"c": 256}]),
+
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
            "and the static traces of the measured sweep at 128, prefill priced at 5 ms + 30 µs per token (assumed)",
