@@ -356,10 +356,10 @@ class CostScheduler:
         (`record`): the lag makes any choice lossless, and this one saves the host a choice per
         step that would read the same relay. A bigger batch does not end it: verifying drafts only
         costs more there, and its newcomers (counted at the running mean) are read when the hold
-        ends. So does every row drafting when
-        it beat each alternative by more than min_gain, unless the batch grows (and unless the
-        step clock is on): a choice that clear does not turn on one step's news, and it is the
-        host's work of every step on a pair where drafting always pays."""
+        ends. Every row drafting holds too when it beat each alternative by more than min_gain,
+        unless the batch grows (and unless the step clock is on): a choice that clear does not
+        turn on one step's news, and it is the host's work of every step on a pair where
+        drafting always pays."""
         if self.plain_table is None or self.effective_mode() != "compact":
             return None
         R, g = len(slot_ids), self.gamma
