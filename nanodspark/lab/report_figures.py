@@ -45,6 +45,25 @@ def _paired_cell(ratio: str) -> str:
             f"<paired[concurrency={{c}},ratio={ratio}].max|.2f>)").replace("{r}", ratio)
 
 
+_AT_LOAD = ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")
+_AT_LOAD_HEADS = ["static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"]
+
+
+def _host_cells(field: str = _ACC + ".host_phases_s", phases=("launch", "commit", "result")) -> list[str]:
+    """No-spec's and compact's host time per phase at concurrency {c}, one cell each."""
+    return [" · ".join(f"<{field.format(m=m)}.{ph}|.2f>" for ph in phases) for m in ("no-spec", "compact")]
+
+
+def _at_load(name: str, path: str, caption: str, concurrencies, tok_s: bool = False) -> Figure:
+    """A sweep's paired ratios of no-spec, static, compact and the A/A control, and the host's
+    seconds per phase of the window (launch, commit, waiting for the GPU)."""
+    heads = ["concurrency"] + ["no-spec tok/s"] * tok_s + _AT_LOAD_HEADS
+    cells = ["{c}"] + [f"<{_SS}|,.0f>".replace("{m}", "no-spec")] * tok_s + [_paired_cell(r) for r in _AT_LOAD]
+    return Figure(name, {"s": path}, caption,
+                  heads + ["host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
+                  [cells + _host_cells()], [{"c": c} for c in concurrencies])
+
+
 def _ratio_range(row: str) -> str:
     return f"<{row}.over_in_process|.2f> (<{row}.over_in_process_min|.2f>–<{row}.over_in_process_max|.2f>)"
 
@@ -749,17 +768,11 @@ FIGURES = [
                      "measured: that sweep", concurrencies=(16, 64, 128, 256),
                      systems=("no-spec", "static", "compact", "compact-keep")),
 
-    Figure("thesis-smollm2-shape-lapse-rounds", {"s": "benchmarks/steady_state_smollm2_shape_lapse_rounds_h200.json"},
-           H200 + "; as the sweep above, at load only, on its profiles (`.carry/smol/cost_lapse.json` is "
-           "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), three rounds in rotating order, another call; "
-           "paired medians (min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
-            "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
-           [["{c}"] + [_paired_cell(r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
-            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
-               for m in ("no-spec", "compact")]],
-           [{"c": c} for c in (64, 128, 256)]),
+    _at_load("thesis-smollm2-shape-lapse-rounds", "benchmarks/steady_state_smollm2_shape_lapse_rounds_h200.json",
+             H200 + "; as the sweep above, at load only, on its profiles (`.carry/smol/cost_lapse.json` is "
+             "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), three rounds in rotating order, another call; "
+             "paired medians (min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
+             (64, 128, 256)),
 
     Figure("host-probe-smollm2-shared", {"b": "benchmarks/plain_probe_smollm2_256_shared_h200.json"},
            H200 + "; as the probe above at batch 256, with a step's state writes in one copy and the drafter's "
@@ -769,43 +782,26 @@ FIGURES = [
              " · ".join(f"<b:host_ms_per_step.{{e}}.{ph}|.2f>" for ph in ("schedule", "launch", "commit"))]],
            [{"e": e} for e in ("target alone", "compact, plain step", "compact, lapsed plain step")]),
 
-    Figure("thesis-smollm2-shape-shared", {"s": "benchmarks/steady_state_smollm2_shape_shared_h200.json"},
-           H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, mix "
-           "workload, greedy, prefix cache off, on the lapse sweep's profiles (`.carry/smol/cost_lapse.json` is "
-           "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`); a step's state writes in one copy, the "
-           "drafter's context on the target's block tables, the plain hold kept when the batch grows; two rounds "
-           "in rotating order, paired medians (min–max); the host's seconds in each phase of the 5 s window "
-           "(median over rounds)",
-           ["concurrency", "no-spec tok/s", "static / no-spec", "compact / no-spec", "compact / static",
-            "A/A: static-b / static", "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
-           [["{c}", f"<{_SS}|,.0f>".replace("{m}", "no-spec")]
-            + [_paired_cell(r) for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
-            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
-               for m in ("no-spec", "compact")]],
-           [{"c": c} for c in (16, 64, 128, 256)]),
+    _at_load("thesis-smollm2-shape-shared", "benchmarks/steady_state_smollm2_shape_shared_h200.json",
+             H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, "
+             "mix workload, greedy, prefix cache off, on the lapse sweep's profiles (`.carry/smol/cost_lapse.json` is "
+             "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`); a step's state writes in one copy, the "
+             "drafter's context on the target's block tables, the plain hold kept when the batch grows; two rounds "
+             "in rotating order, paired medians (min–max); the host's seconds in each phase of the 5 s window "
+             "(median over rounds)", (16, 64, 128, 256), tok_s=True),
 
-    Figure("thesis-smollm2-shape-shared-rounds",
-           {"s": "benchmarks/steady_state_smollm2_shape_shared_rounds_h200.json"},
-           H200 + "; as the sweep above, at load only, three rounds in rotating order, another call; paired medians "
-           "(min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
-            "host s, launch · commit · waiting for the GPU: no-spec", "the same: compact"],
-           [["{c}"] + [_paired_cell(r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
-            + [" · ".join(f"<{_ACC.format(m=m)}.host_phases_s.{ph}|.2f>" for ph in ("launch", "commit", "result"))
-               for m in ("no-spec", "compact")]],
-           [{"c": c} for c in (64, 128, 256)]),
+    _at_load("thesis-smollm2-shape-shared-rounds", "benchmarks/steady_state_smollm2_shape_shared_rounds_h200.json",
+             H200 + "; as the sweep above, at load only, three rounds in rotating order, another call; paired "
+             "medians (min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
+             (64, 128, 256)),
 
     Figure("thesis-smollm2-shape-narrow", {"s": "benchmarks/steady_state_smollm2_shape_narrow_h200.json"},
            H200 + "; as the sweep above, at 256 only, a plain step's result without draft columns, two rounds in "
            "rotating order, another call (on a machine whose host kept this 256 batch GPU-bound: no-spec waited "
            "for the GPU 1.0 ms a step); paired medians (min–max); host milliseconds per step",
-           ["concurrency", "static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static",
-            "host ms, launch · commit: no-spec", "the same: compact"],
-           [["{c}"] + [_paired_cell(r)
-                       for r in ("static/no-spec", "compact/no-spec", "compact/static", "static-b/static")]
-            + [" · ".join(f"<sweep[mode={m},concurrency={{c}}].phase_ms.{ph}|.2f>" for ph in ("launch", "commit"))
-               for m in ("no-spec", "compact")]],
+           ["concurrency"] + _AT_LOAD_HEADS + ["host ms, launch · commit: no-spec", "the same: compact"],
+           [["{c}"] + [_paired_cell(r) for r in _AT_LOAD]
+            + _host_cells("sweep[mode={m},concurrency={{c}}].phase_ms", ("launch", "commit"))],
            [{"c": 256}]),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
