@@ -269,6 +269,16 @@ def _host_floats(x) -> np.ndarray:
     return x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
 
 
+def can_trim(table: CostTable | None) -> bool:
+    """Is there anything to trim for? Only on a profiled table whose cost grows with K somewhere."""
+    return table is not None and bool(table.measurements) and not table.is_flat()
+
+
+def warn_static(mode: str, stacklevel: int = 2) -> None:
+    warnings.warn(f"verify_mode={mode!r} needs a profiled, non-flat cost table; verifying full blocks "
+                  "(static) instead", stacklevel=stacklevel)
+
+
 class CostScheduler:
     """The production scheduler: relay + lagged budget + fresh top-K allocation.
 
@@ -306,8 +316,7 @@ class CostScheduler:
         # measured and predicted seconds and the steps timed (`time_step`)
         self.step_clock = step_clock
         self._clock = [(0.0, 0.0, 0), (0.0, 0.0, 0)]
-        self._can_trim = (cost_table is not None and bool(cost_table.measurements)
-                          and not cost_table.is_flat())
+        self._can_trim = can_trim(cost_table)
         self._warned = False
 
     def effective_mode(self) -> str:
@@ -316,8 +325,7 @@ class CostScheduler:
             return "static"
         if not self._can_trim:
             if not self._warned:
-                warnings.warn(f"verify_mode={self.mode!r} needs a profiled, non-flat cost table; "
-                              "verifying full blocks (static) instead", stacklevel=3)
+                warn_static(self.mode, stacklevel=4)
                 self._warned = True
             return "static"
         return self.mode
@@ -325,7 +333,7 @@ class CostScheduler:
     def _predict(self, bs: int, k: int) -> float:
         if self.cost_table is None or not self.cost_table.measurements:
             return float("nan")
-        return self.cost_table.predict(bs, k)
+        return float(self.cost_table.curve(bs, k)[k])     # the cached curve: read every step
 
     def budget(self, slot_ids, generation_ids, step: int) -> tuple[int, bool, float]:
         """The host's half of planning a verify step of R = len(slot_ids) requests whose windows

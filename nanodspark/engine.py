@@ -189,7 +189,7 @@ class LLMEngine:
         return tuple(sorted(getattr(self._cost_scheduler, "share_tables", {}) or ()))
 
     def _window_policy(self):
-        from .cost_scheduler import CostScheduler
+        from .cost_scheduler import CostScheduler, can_trim, warn_static
         from .cost_table import CostTable, lapsed_name, share_name
         from .windows import CostWindows, StaticWindows
         cfg = self.config
@@ -197,6 +197,12 @@ class LLMEngine:
             return StaticWindows(self.gamma)
         table = CostTable.load(cfg.cost_table, self.model_name, str(self.dtype),
                                self.device.type, ()) if cfg.cost_table else None
+        if cfg.verify_mode == "compact" and not can_trim(table):
+            # nothing to trim for (no table, or a step that costs the same whatever it verifies):
+            # compact is static, so its host work is static's too (the relay, the cost lookups and
+            # the ceiling's bookkeeping would be paid every step for nothing)
+            warn_static(cfg.verify_mode, stacklevel=4)
+            return StaticWindows(self.gamma)
         # a plain step's price, if the same file holds one: then compact may run a plain step where
         # drafting does not pay at all. First the plain step that lets the drafter's context lapse
         # (`bench profile --draft-fraction 0 --lapse`), what a run of them costs, where plain steps

@@ -5,7 +5,8 @@ draft tokens the target verifies and whether to trim, or windows forced per requ
 then chooses each request's window from its fresh confidences (speculative.py). A policy that
 learns from results is also an observer: `observe` sees each step's applied rows, as arrays.
 
-* `StaticWindows`: full blocks for everyone (verify_mode static, or no cost table).
+* `StaticWindows`: full blocks for everyone (verify_mode static, or compact with nothing to
+  trim: no cost table, or a flat one).
 * `CostWindows`: the cost scheduler (cost_scheduler.py): a budget from confidences `lag` steps
   old, pushed into its relay here as each step is committed; with a plain step-cost table, a
   step where only the most confident requests run the drafter's pass, or none (a plain step);

@@ -753,6 +753,36 @@ def test_the_engine_prices_its_plain_step_by_what_a_run_of_them_costs(tmp_path):
     assert plain() == pytest.approx(1.1e-3) and plain(verify_lapse_after=0) == pytest.approx(1.25e-3)
 
 
+def test_compact_with_nothing_to_trim_runs_static_windows_and_static_output(tmp_path):
+    """A flat cost file (a step costs the same whatever it verifies), even one holding a plain
+    step's price: compact warns and plans as static, with static's host policy (no relay, no
+    cost lookups per step), and its greedy output is static's token for token. A table that rises
+    keeps the cost scheduler."""
+    from nanodspark import LLM, SamplingParams
+    from nanodspark.lab.shapes import materialize
+    from nanodspark.windows import CostWindows, StaticWindows
+    model = materialize("tiny-dense", tmp_path / "tiny-dense")
+    name, path = "tiny-dense (random weights)", tmp_path / "cost.json"
+    kw = dict(load_format="dummy", use_tqdm=False, max_num_seqs=4, max_model_len=128)
+    static = LLM(str(model), **kw, verify_mode="static")
+    g, dtype, device = static.engine.gamma, str(static.engine.dtype), static.engine.device.type
+    save = lambda t, n: CostTable(t, model_name=n, dtype=dtype, device=device).save(path)   # noqa: E731
+    sizes = (1, 2, 4)
+    save({(b, k): 2e-3 for b in sizes for k in range(0, b * g + 1)}, name)
+    save({(b, 0): 1e-3 for b in sizes}, f"{name} (no drafter)")
+    with pytest.warns(UserWarning, match="non-flat cost table"):
+        flat = LLM(str(model), **kw, verify_mode="compact", cost_table=str(path))
+    assert isinstance(flat.engine.windows, StaticWindows) and not flat.engine.plain_steps
+    prompts = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in flat.generate(prompts, params)] == \
+           [o.outputs[0].token_ids for o in static.generate(prompts, params)]
+    save({(b, k): 1e-3 * (2 + 0.1 * k) for b in sizes for k in range(0, b * g + 1)}, name)
+    assert isinstance(LLM(str(model), **kw, verify_mode="compact", cost_table=str(path)).engine.windows, CostWindows)
+    with pytest.warns(UserWarning, match="non-flat cost table"):
+        assert isinstance(LLM(str(model), **kw, verify_mode="compact").engine.windows, StaticWindows)
+
+
 def test_a_lapsed_drafter_context_stays_lossless_unread_and_unshared(tmp_path):
     """Plain steps 3-9, of which 5-9 let the drafter's context lapse, then every row drafts again:
     greedy output equals the target alone; each request's `draft_start` moved past the lapse;

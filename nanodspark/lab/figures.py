@@ -41,13 +41,14 @@ FIGURES = [
     FigureSpec("benchmarks/timeline_bs1_h200_steps", "timeline-steps", "benchmarks/timeline_bs1_h200.json"),
     FigureSpec("benchmarks/drafter/reliability", "reliability", "benchmarks/drafter/train_heads_report.json"),
     FigureSpec("benchmarks/kv_blocks_cpu", "kv-blocks", None),
-    FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_overlap_table_h200.json",
+    FigureSpec("benchmarks/dspark_speedup_h200", "speedup", "benchmarks/steady_state_default_static_fallback_h200.json",
                ("benchmarks/prediction_qwen3_8b_tau3.21_h200.json", "benchmarks/prediction_qwen3_8b_tau6.17_h200.json",
                 "benchmarks/prediction_qwen3_30b_a3b_tau3.21_h200.json"),
-               ("default pair", "SmolLM2-135M pair", "SmolLM2-135M shapes, synthetic acceptance, tau 1.8",
+               ("default pair", "SmolLM2-135M pair (eager prefill, text in the step)",
+                "SmolLM2-135M shapes, synthetic acceptance, tau 1.8",
                 "Qwen3-8B shape, synthetic acceptance, tau 3.1",
                 "Qwen3-8B shape, tau 3.21", "Qwen3-8B shape, tau 6.17", "Qwen3-30B-A3B shape, tau 3.21"),
-               ("benchmarks/steady_state_smollm2_h200.json", "benchmarks/steady_state_smollm2_shape_law_rounds_h200.json",
+               ("benchmarks/steady_state_smollm2_h200.json", "benchmarks/steady_state_smollm2_shape_final_h200.json",
                 "benchmarks/steady_state_qwen3_8b_law0.475-0.97_h200.json")),
 ]
 RECORDS = "benchmarks/drafter/calibration_records.safetensors"

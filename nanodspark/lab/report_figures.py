@@ -49,9 +49,10 @@ _AT_LOAD = ("static/no-spec", "compact/no-spec", "compact/static", "static-b/sta
 _AT_LOAD_HEADS = ["static / no-spec", "compact / no-spec", "compact / static", "A/A: static-b / static"]
 
 
-def _host_cells(field: str = _ACC + ".host_phases_s", phases=("launch", "commit", "result")) -> list[str]:
-    """No-spec's and compact's host time per phase at concurrency {c}, one cell each."""
-    return [" · ".join(f"<{field.format(m=m)}.{ph}|.2f>" for ph in phases) for m in ("no-spec", "compact")]
+def _host_cells(field: str = _ACC + ".host_phases_s", phases=("launch", "commit", "result"),
+                systems=("no-spec", "compact")) -> list[str]:
+    """Two systems' host time per phase at concurrency {c} (no-spec's and compact's), one cell each."""
+    return [" · ".join(f"<{field.format(m=m)}.{ph}|.2f>" for ph in phases) for m in systems]
 
 
 def _at_load(name: str, path: str, caption: str, concurrencies, tok_s: bool = False) -> Figure:
@@ -803,6 +804,45 @@ FIGURES = [
            [["{c}"] + [_paired_cell(r) for r in _AT_LOAD]
             + _host_cells("sweep[mode={m},concurrency={{c}}].phase_ms", ("launch", "commit"))],
            [{"c": 256}]),
+
+    _at_load("thesis-smollm2-shape-final", "benchmarks/steady_state_smollm2_shape_final_h200.json",
+             H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, "
+             "mix workload, greedy, prefix cache off, on the lapse sweep's profiles (`.carry/smol/cost_lapse.json` is "
+             "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), the engine as it is; two rounds in rotating "
+             "order, paired medians (min–max); the host's seconds in each phase of the 5 s window (median over "
+             "rounds)", (1, 16, 64, 128, 256), tok_s=True),
+
+    _profile("cost-profile-default-lapse", "benchmarks/cost_table_default_lapse_h200.json", 5,
+             H200 + "; the default pair, whole steps timed in the overlapped loop with CUDA graphs, no text decoded "
+                    "in the step, context 256, mix prompts, 2 rounds; the first of the file's four tables (every row "
+                    "drafting; the others: its plain step keeping and letting lapse the drafter's context, the "
+                    "target alone)", batches=(1, 16, 64, 256), table="default"),
+
+    Figure("thesis-default-flat", {"s": "benchmarks/steady_state_default_flat_h200.json"},
+           H200 + "; the default pair in-process, text-free, closed loop, mix workload, greedy, prefix cache off, "
+           "compact on the flat profile above through the cost scheduler's own policy (it verifies full blocks, "
+           "as static does), one 5 s window per engine after 2 s, one round, in the call that profiled; host "
+           "milliseconds per step",
+           ["concurrency", "static / no-spec", "compact / static", "A/A: static-b / static",
+            "drafts verified per request-step, static · compact", "host ms, launch · commit: static", "the same: compact"],
+           [["{c}"] + [f"<s:{_PAIRED}|.2f>".replace("{r}", r) for r in ("static/no-spec", "compact/static",
+                                                                        "static-b/static")]
+            + [" · ".join(f"<s:{_ACC.format(m=m)}.drafts_verified / s:{_ACC.format(m=m)}.decode_request_steps|.2f>"
+                          for m in ("static", "compact"))]
+            + _host_cells("s:sweep[mode={m},concurrency={{c}}].phase_ms", ("launch", "commit"), ("static", "compact"))],
+           [{"c": c} for c in (1, 16, 64, 256)]),
+
+    _at_load("thesis-default-fallback", "benchmarks/steady_state_default_static_fallback_h200.json",
+             H200 + "; the default pair as above, on the same profile, compact planning with static windows (its "
+                    "table is flat: nothing to trim), two rounds in rotating order, another call; paired medians "
+                    "(min–max); the host's seconds in each phase of the 5 s window (median over rounds)",
+             (1, 16, 64, 256), tok_s=True),
+
+    _simulator_check("simulator-check-default-fallback", "default_fallback",
+                     "`bench simulate` on a CPU, from the default pair's H200 profiles above (every row drafting and "
+                     "the target alone), the static traces of the two-round sweep above (at 256: 5 MB, not "
+                     "committed) and the overheads fitted to that sweep per whole run; the last column fits them on "
+                     "the other three concurrencies only; measured: that sweep", held_out=True),
 
     Figure("thesis-8b-partial-predicted", {"p": "benchmarks/prediction_qwen3_8b_partial_h200.json"},
            "A PREDICTION (`bench simulate` on a CPU): the engine's scheduler as it is now, on the cost file above "
