@@ -196,9 +196,11 @@ class ConfidenceRelay:
         self.last_generation = np.full(max_slots, -1, dtype=np.int64)
         self.mean = np.ones(gamma, dtype=np.float32)
         # a plain step's row is written lazily: what its slots carry (`last`, or the mean then) is
-        # read from `last` until a fresh push is about to change it (`_settle_plain`)
+        # read from `last` until a fresh push is about to change it (`_settle_plain`), and its
+        # stamps wait, as (step, slots, generations), until the row is read (`_stamp`)
         self.plain = np.zeros(depth, dtype=bool)
         self.plain_mean = np.ones((depth, gamma), dtype=np.float32)
+        self._stamps: list[tuple | None] = [None] * depth
 
     def push(self, step: int, slot_ids, generation_ids, conf, drafted=True) -> None:
         """Record conf [R, gamma] (copied to the host) for slots at `step`. A row that did not
@@ -206,17 +208,21 @@ class ConfidenceRelay:
         confidences of its own: its slot carries its last ones forward (a request that never
         drafted: the running mean over the batches' rows), so its budget `lag` steps later still
         reads what the drafter last said, never a survival of 1.0. A plain step brings no news:
-        the mean holds, and its row is only stamped (its values are `last`'s, read lazily)."""
+        the mean holds, and its row is only stamped, when read (its values are `last`'s)."""
         row = step % (self.lag + 1)
-        slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
-        self.stamp[row, slots] = step
-        self.generation[row, slots] = gens
-        own = np.asarray(drafted, dtype=bool)
-        if not own.any():                     # a plain step: every row carries its last ones forward
+        if not _any(drafted):                 # a plain step: every row carries its last ones forward
+            # its stamps too wait until the row is read: most plain rows never are (a plain choice
+            # holds); an older row's stamps left unwritten are stale whatever they hold
+            self._stamps[row] = (step, np.array(slot_ids, dtype=np.int64), np.array(generation_ids, dtype=np.int64))
             self.plain[row] = True
             self.plain_mean[row] = self.mean
             return
         self._settle_plain()                  # `last` changes below: write what plain rows carry now
+        self._stamps[row] = None
+        own = np.asarray(drafted, dtype=bool)
+        slots, gens = _host_ints(slot_ids), _host_ints(generation_ids)
+        self.stamp[row, slots] = step
+        self.generation[row, slots] = gens
         if own.ndim == 0 or own.all():        # every row drafted: its own confidences, no gathers
             c = _host_floats(conf)
             self.last[slots], self.last_generation[slots] = c, gens
@@ -236,9 +242,17 @@ class ConfidenceRelay:
         """Write the values every lazily kept plain row carries (all slots: a few array operations,
         paid when a plain streak ends, not on each of its steps)."""
         for row in np.flatnonzero(self.plain).tolist():
+            self._stamp(row)
             same = (self.last_generation == self.generation[row])[:, None]
             self.conf[row] = np.where(same, self.last, self.plain_mean[row])
             self.plain[row] = False
+
+    def _stamp(self, row: int) -> None:
+        """Write a plain row's waiting stamps."""
+        if self._stamps[row] is not None:
+            step, slots, gens = self._stamps[row]
+            self.stamp[row, slots], self.generation[row, slots] = step, gens
+            self._stamps[row] = None
 
     def lagged(self, slot_ids, generation_ids, step: int) -> torch.Tensor:
         """Survivals [R, gamma] (float32, host) from step - lag; 1.0 where the entry is not valid."""
@@ -253,12 +267,18 @@ class ConfidenceRelay:
         if src < 0:
             return np.cumprod(np.broadcast_to(unknown, (len(slots), self.gamma)), axis=1).astype(np.float32)
         row, gens = src % (self.lag + 1), _host_ints(generation_ids)
+        self._stamp(row)
         ok = (self.stamp[row, slots] == src) & (self.generation[row, slots] == gens)
         if self.plain[row]:                   # carried: the slot's last confidences, or the mean then
             kept = np.where((self.last_generation[slots] == gens)[:, None], self.last[slots], self.plain_mean[row])
         else:
             kept = self.conf[row, slots]
         return np.cumprod(np.where(ok[:, None], kept, unknown), axis=1)
+
+
+def _any(drafted) -> bool:
+    """Did any row draft? (a plain bool, the plain step's, is read without numpy: every step)"""
+    return drafted if isinstance(drafted, bool) else bool(np.any(drafted))
 
 
 def _host_ints(x) -> np.ndarray:
@@ -446,6 +466,6 @@ class CostScheduler:
         """Push a step's confidences [R, gamma] into the relay (CostWindows.observe does, once
         the step's result is on the host); a row that did not draft carries its last ones forward.
         Fresh confidences end a plain streak's hold: the next choice reads them."""
-        if np.any(drafted):
+        if _any(drafted):
             self._held = None
         self.relay.push(step, slot_ids, generation_ids, conf, drafted)

@@ -452,7 +452,7 @@ class LLMEngine:
         before = b.num_computed[s]
         end = before + count
         b.num_computed[s] = end
-        self._count(s, o)
+        self._count(s, o, d.plain)
         # the new tokens up to and including the first that ends the request: an EOS ("stop"), or the
         # one that reaches max_tokens or the context limit ("length"); EOS wins a tie
         n_out = b.out_len[s]        # limit_len - prompt_len = min(max_tokens, max_model_len - prompt_len)
@@ -488,14 +488,13 @@ class LLMEngine:
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, slots: np.ndarray, o) -> None:
+    def _count(self, slots: np.ndarray, o, plain: bool = False) -> None:
         """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
         mode, count, spec = self.verify_mode, o.count, self.batch.spec
-        if not mode.reports_ceiling and not o.drafted.any():   # a plain step: one step, its tokens
+        if plain or (not mode.reports_ceiling and not o.drafted.any()):   # one step, its tokens, no drafts
             spec[slots, 0] += 1
-            spec[slots, 3] += count - 1
             spec[slots, 4] += count
             return
         add = np.empty((len(slots), self.batch.spec.shape[1]), dtype=np.int64)

@@ -101,7 +101,7 @@ class SpecMetrics:
         """After the engine applied `result`: settle now what needs the batch as it is now (a
         trimmed step's pending drafts and chains) and keep the rest, plain records too, for `flush`."""
         d = result.decode
-        if d is None or not len(d.slots) or not self.gamma or not d.out.drafted.any():   # a plain step: nothing
+        if d is None or not len(d.slots) or not self.gamma or d.plain or not d.out.drafted.any():   # a plain step: nothing
             return
         if not d.out.drafted.all():          # rows that did not draft have nothing to label
             d = d.select(d.out.drafted != 0)

@@ -75,6 +75,11 @@ class DecodeRows:
     def accepted(self) -> np.ndarray:
         return np.maximum(self.out.count - 1, 0)
 
+    @property
+    def plain(self) -> bool:
+        """A plain step's rows (no row drafted): the result has no draft columns."""
+        return self.out.drafts.shape[1] == 0
+
     def select(self, rows: np.ndarray) -> "DecodeRows":
         """The rows `rows` (an index or boolean mask) only."""
         o = self.out

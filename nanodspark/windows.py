@@ -58,7 +58,7 @@ class CostWindows(WindowPolicy):
     def observe(self, result) -> None:
         d = result.decode
         if d is not None and len(d.slots):
-            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, d.out.drafted != 0)
+            self.scheduler.record(result.step, d.slots, d.generations, d.out.conf, not d.plain and d.out.drafted != 0)
         if self.scheduler.step_clock:           # a step's period: from the step seen before to this one
             now, seen = time.perf_counter(), self._seen
             if d is not None and len(d.slots) and not result.prefill and seen is not None and not seen[1]:

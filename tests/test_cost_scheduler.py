@@ -510,6 +510,39 @@ def test_a_plain_steps_row_reads_what_it_carried_then_after_fresh_confidences_ar
     assert np.allclose(relay.lagged_np([2], [9], step=3, prior=False), [np.cumprod(mean)])
 
 
+def test_a_plain_steps_stamps_wait_until_read_and_no_read_can_tell():
+    """A plain step's stamps are written only when its row is read: a relay that writes them at
+    once reads the same survivals after any mix of plain, partial and full pushes, recycled
+    slots and ring wrap-arounds (a waiting stamp dropped, or written to the wrong row, would make
+    a lagged read of a plain step fall back to 1.0 or read another step's row)."""
+    class Eager(ConfidenceRelay):
+        def push(self, step, *a, **k):
+            super().push(step, *a, **k)
+            self._stamp(step % (self.lag + 1))
+
+    rng = np.random.default_rng(0)
+    lazy, eager = ConfidenceRelay(8, 3, lag=2), Eager(8, 3, lag=2)
+    gens = np.zeros(8, dtype=np.int64)
+    plain_reads = 0
+    for step in range(300):
+        gens[rng.random(8) < 0.05] += 1                            # a slot gets a new request
+        slots = np.sort(rng.choice(8, size=rng.integers(1, 9), replace=False))
+        kind = rng.choice(["plain", "all", "part"], p=[0.6, 0.2, 0.2])
+        drafted = {"plain": False, "all": True, "part": rng.random(len(slots)) < 0.5}[kind]
+        conf = rng.random((len(slots), 3)).astype(np.float32)
+        for r in (lazy, eager):
+            r.push(step, slots, gens[slots], conf, drafted)
+        if kind == "plain":
+            assert not (lazy.stamp == step).any()                  # waiting, not written
+        if rng.random() < 0.5:                                     # a read, as the budget's
+            read = step + 1
+            plain_reads += lazy._stamps[(read - 2) % 3] is not None
+            for prior in (False, True):
+                assert np.array_equal(lazy.lagged_np(slots, gens[slots], read, prior),
+                                      eager.lagged_np(slots, gens[slots], read, prior))
+    assert plain_reads > 20
+
+
 def test_drafting_pays_only_where_the_plain_step_does_not_win():
     """Compact with a plain profile: a plain step when R / T_plain beats the best speculative
     step (drafter included) by more than min_gain; otherwise draft. Without a plain table, always draft."""
@@ -657,7 +690,7 @@ def test_cost_windows_time_decode_only_steps_for_the_step_clock(monkeypatch):
         w, t = CostWindows(s), iter([1.0, 1.002, 1.010, 1.013, 1.016])
         monkeypatch.setattr(win.time, "perf_counter", lambda: next(t))
         out = SimpleNamespace(conf=np.zeros((2, 4), np.float32), drafted=np.ones(2, np.int64))
-        rows = SimpleNamespace(slots=np.arange(2), generations=np.arange(2), out=out)
+        rows = SimpleNamespace(slots=np.arange(2), generations=np.arange(2), out=out, plain=False)
         for step, prefill in enumerate([False, False, True, False, False]):
             w.observe(SimpleNamespace(decode=rows, prefill=[1] if prefill else [], step=step,
                                       predicted_step_time=0.003))

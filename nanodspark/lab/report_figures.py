@@ -808,9 +808,21 @@ FIGURES = [
     _at_load("thesis-smollm2-shape-final", "benchmarks/steady_state_smollm2_shape_final_h200.json",
              H200 + "; the SmolLM2 shapes (RANDOM WEIGHTS, the law 0.3–0.6), in-process, text-free, closed loop, "
              "mix workload, greedy, prefix cache off, on the lapse sweep's profiles (`.carry/smol/cost_lapse.json` is "
-             "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), the engine as it is; two rounds in rotating "
+             "`benchmarks/cost_table_smollm2_shape_lapse_h200.json`), with the changes above; two rounds in rotating "
              "order, paired medians (min–max); the host's seconds in each phase of the 5 s window (median over "
              "rounds)", (1, 16, 64, 128, 256), tok_s=True),
+
+    Figure("thesis-smollm2-shape-light", {"l": "benchmarks/steady_state_smollm2_shape_light_h200.json",
+                                          "m": "benchmarks/steady_state_smollm2_shape_light_256_h200.json"},
+           H200 + "; as the sweep above, a plain step's commit lighter (its counters in two array operations, "
+           "the relay's stamps written when read, no numpy on the plain step's flag), three rounds in rotating "
+           "order, two calls (the second at 256 only); paired medians (min–max); host milliseconds per step "
+           "(the median round's)",
+           ["call", "concurrency"] + _AT_LOAD_HEADS + ["host ms, launch · commit: no-spec", "the same: compact"],
+           [["{call}", "{c}"] + [_paired_cell(r).replace("<", "<{f}:") for r in _AT_LOAD]
+            + _host_cells("{{f}}:sweep[mode={m},concurrency={{c}}].phase_ms", ("launch", "commit"))],
+           [{"f": "l", "call": "first", "c": 128}, {"f": "l", "call": "first", "c": 256},
+            {"f": "m", "call": "second", "c": 256}]),
 
     _profile("cost-profile-default-lapse", "benchmarks/cost_table_default_lapse_h200.json", 5,
              H200 + "; the default pair, whole steps timed in the overlapped loop with CUDA graphs, no text decoded "

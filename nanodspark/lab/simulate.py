@@ -281,8 +281,8 @@ def simulate_closed_loop(system: str, work: ServeWorkload, traces: Traces | None
             if r.out >= r.max_tokens and r not in finished:
                 finished.append(r)
         if D and g:                                         # the relay sees the step, as CostWindows.observe
-            policy.observe(SimpleNamespace(step=step, decode=SimpleNamespace(slots=slots, generations=gens, out=SimpleNamespace(
-                conf=conf, drafted=(np.arange(len(D)) < drafting).astype(np.int64)))))
+            policy.observe(SimpleNamespace(step=step, decode=SimpleNamespace(slots=slots, generations=gens, plain=not drafting,
+                out=SimpleNamespace(conf=conf, drafted=(np.arange(len(D)) < drafting).astype(np.int64)))))
         for r in finished:
             r.rec.end, r.rec.tokens = t, r.out
             steps = len(r.rec.chunks) - 1                      # verify steps: every chunk after the first token
