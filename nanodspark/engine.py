@@ -488,12 +488,12 @@ class LLMEngine:
     def observers(self) -> list:
         return [o for o in (self.windows, self.metrics, self.eplb, *self.extra_observers) if o is not None]
 
-    def _count(self, slots: np.ndarray, o, plain: bool = False) -> None:
+    def _count(self, slots: np.ndarray, o, plain: bool) -> None:
         """The rows' SpecStats, all at once (request.py names the counters, in this order)."""
         if not self.gamma:
             return
         mode, count, spec = self.verify_mode, o.count, self.batch.spec
-        if plain or (not mode.reports_ceiling and not o.drafted.any()):   # one step, its tokens, no drafts
+        if plain:                                      # a plain step: one step, its tokens, no drafts
             spec[slots, 0] += 1
             spec[slots, 4] += count
             return
